@@ -1,0 +1,36 @@
+# The lab's commands. `make lab` and `make test` create .venv on first use.
+PY := .venv/bin/python
+KIT ?= dist/iteragpu-lab-v1.zip
+# Extra JupyterLab flags, e.g. make lab LAB_ARGS="--no-browser --port 8888"
+LAB_ARGS ?=
+
+.PHONY: lab test test-gpu sync sync-check kit verify-kit venv-lab venv-test
+
+venv-lab:
+	bash .ci/venv.sh lab
+
+venv-test:
+	bash .ci/venv.sh test
+
+lab: venv-lab
+	$(PY) -m jupyterlab --notebook-dir=notebooks $(LAB_ARGS)
+
+test: venv-test
+	$(PY) -m pytest
+
+# On a CUDA machine: the GPU tests, then every notebook with its cells run.
+test-gpu: venv-test
+	$(PY) -m pytest -m gpu tests
+	$(PY) -m pytest --nbval-lax notebooks
+
+sync: venv-lab
+	$(PY) -m lab_helpers.notebook_sync
+
+sync-check: venv-lab
+	$(PY) -m lab_helpers.notebook_sync --check
+
+kit: venv-lab
+	$(PY) -m lab_helpers.kit build
+
+verify-kit: venv-lab
+	$(PY) -m lab_helpers.kit verify $(KIT)
