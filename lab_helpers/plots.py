@@ -1,0 +1,76 @@
+"""Tables and plots of one measurement (or prediction) per phase, in MiB."""
+import matplotlib.pyplot as plt
+import pandas as pd
+
+MIB = 2**20  # plots speak MiB: the allocator's segment sizes are whole MiB
+POINTS = ("baseline", "end", "peak")
+COUNTERS = ("allocated", "reserved")
+POINT_COLOURS = {"baseline": "#b0b0b0", "end": "#4c72b0", "peak": "#dd8452"}
+
+
+def phase_labels(phases) -> list:
+    """Readable labels, one per phase record ('warm_forward #1')."""
+    return [p["phase"] if p.get("index") is None else f"{p['phase']} #{p['index']}" for p in phases]
+
+
+def phase_table(document) -> pd.DataFrame:
+    """One row per phase record: the six counters in MiB, and the times where measured."""
+    phases = document["phases"]
+    table = pd.DataFrame(index=pd.Index(phase_labels(phases), name="phase"))
+    for counter in COUNTERS:
+        for point in POINTS:
+            table[f"{point}_{counter}_mib"] = [p[f"{point}_{counter}_bytes"] / MIB for p in phases]
+    for key in ("seconds", "device_seconds", "achieved_tflops"):
+        if any(key in p for p in phases):
+            table[key] = [p.get(key) for p in phases]
+    return table
+
+
+def plot_phases(document, axes=None):
+    """Bars of baseline, end and peak for allocated (left) and reserved (right), per phase."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    phases = document["phases"]
+    labels = phase_labels(phases)
+    width = 0.27
+    for ax, counter in zip(axes, COUNTERS):
+        for k, point in enumerate(POINTS):
+            values = [p[f"{point}_{counter}_bytes"] / MIB for p in phases]
+            xs = [i + (k - 1) * width for i in range(len(phases))]
+            ax.bar(xs, values, width, label=point, color=POINT_COLOURS[point])
+        ax.set_xticks(range(len(phases)), labels, rotation=30, ha="right")
+        ax.set_title(f"{counter} (this process's PyTorch allocator)")
+        ax.set_ylabel("MiB")
+        ax.legend(title="read at")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].figure.suptitle("GPU memory per phase: allocated is part of reserved; peaks are separate maxima")
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def plot_prediction(comparison, ax=None):
+    """Measured against predicted peak allocated and peak reserved, per phase, in MiB."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 4.5))
+    rows = comparison["rows"]
+    labels = phase_labels(rows)
+    series = [("measured", "allocated", "#4c72b0"), ("predicted", "allocated", "#9ecae1"),
+              ("measured", "reserved", "#dd8452"), ("predicted", "reserved", "#fdd0a2")]
+    width = 0.2
+    for k, (source, counter, colour) in enumerate(series):
+        values = [r[f"{source}_peak_{counter}_bytes"] / MIB for r in rows]
+        xs = [i + (k - 1.5) * width for i in range(len(rows))]
+        ax.bar(xs, values, width, label=f"{source} peak {counter}", color=colour)
+    for i, r in enumerate(rows):
+        diff = r["difference_peak_allocated_bytes"]
+        top = max(r[f"{source}_peak_{counter}_bytes"] for source, counter, _ in series) / MIB
+        ax.annotate("exact" if diff == 0 else f"{diff:+,} B", (i, top), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right")
+    ax.set_ylabel("MiB")
+    ax.set_title("Predicted vs measured peaks (above each phase: measured - predicted peak allocated)")
+    ax.margins(y=0.12)
+    ax.legend(ncols=2)
+    ax.grid(axis="y", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax

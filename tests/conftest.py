@@ -1,0 +1,106 @@
+"""Shared fixtures: every behaviour test runs against the library module AND the
+copy inlined in the notebook (the adapter below turns a notebook cell back into a
+module file), so the notebook copy is tested, not only compared."""
+import importlib.util
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lab_helpers import notebook_sync
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLEMENTATIONS = ("library", "notebook")
+MAIN_TRAILER = '\n\nif __name__ == "__main__":\n    sys.exit(main())\n'
+
+
+def _notebook_for(source: str) -> str:
+    for notebook, sources in notebook_sync.NOTEBOOK_SOURCES.items():
+        if source in sources:
+            return notebook
+    raise KeyError(source)
+
+
+def implementation_file(kind: str, source: str, workdir: Path) -> Path:
+    """Return a runnable .py file for `source` taken from the library or its notebook."""
+    if kind == "library":
+        return ROOT / source
+    code = notebook_sync.notebook_code(_notebook_for(source), source)
+    path = workdir / Path(source).name
+    path.write_text(code + (MAIN_TRAILER if "def main(" in code else ""), encoding="utf-8")
+    return path
+
+
+def load_module(path: Path):
+    """Import the file at `path` as a fresh module."""
+    name = f"_impl_{path.stem}_{uuid.uuid4().hex[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _impl_fixture(source: str):
+    @pytest.fixture(scope="session", params=IMPLEMENTATIONS)
+    def fixture(request, tmp_path_factory):
+        workdir = tmp_path_factory.mktemp(f"impl-{request.param}")
+        path = implementation_file(request.param, source, workdir)
+        return path, load_module(path)
+    return fixture
+
+
+mm_impl = _impl_fixture("lab_helpers/mesure_memoire.py")
+calc_impl = _impl_fixture("lab_helpers/calcul_forfaits.py")
+
+
+@pytest.fixture(scope="session")
+def mm(mm_impl):
+    """The mesure_memoire module (library or notebook copy)."""
+    return mm_impl[1]
+
+
+@pytest.fixture(scope="session")
+def mm_script(mm_impl):
+    """Path of a runnable mesure_memoire.py (library or notebook copy)."""
+    return mm_impl[0]
+
+
+@pytest.fixture(scope="session")
+def calc(calc_impl):
+    """The calcul_forfaits module (library or notebook copy)."""
+    return calc_impl[1]
+
+
+@pytest.fixture(scope="session")
+def calc_script(calc_impl):
+    """Path of a runnable calcul_forfaits.py (library or notebook copy)."""
+    return calc_impl[0]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm device (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+plots_impl = _impl_fixture("lab_helpers/plots.py")
+
+
+@pytest.fixture(scope="session")
+def plots(plots_impl):
+    """The plots module (library or notebook copy)."""
+    return plots_impl[1]

@@ -1,0 +1,143 @@
+"""Real measurements on a CUDA/ROCm GPU (marker `gpu`; skipped without one).
+
+Run on the H200 with `pytest -m gpu`. Set ITERAGPU_REPORT_DIR to also write the
+predicted-vs-measured table of the twelve acceptance configurations there."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.gpu
+LIBRARY_SCRIPT = ROOT / "lab_helpers" / "mesure_memoire.py"
+SCHEMA = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text())
+SMALL = ["--batch", "1", "--context", "16", "--width", "64", "--dtype", "float32", "--warmup", "1", "--repeats", "2"]
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# (batch, context, width, hidden): the seed's small and larger commands, an odd size and a
+# multi-GiB one; each in three dtypes, with the larger command's --warmup 3 --repeats 5.
+SIZES = [(1, 16, 64, 256), (2, 128, 1024, 4096), (5, 999, 1234, 4321), (8, 4096, 4096, 16384)]
+DTYPES = ["float32", "float16", "bfloat16"]
+CONFIGS = [(s, d) for s in SIZES for d in DTYPES]
+
+
+def round512(n):
+    return -(-n // 512) * 512
+
+
+def measure(script, out, *args):
+    proc = subprocess.run([sys.executable, str(script), "measure", "--device", "cuda:0", *args, "--output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def check_invariants(doc):
+    jsonschema.validate(doc, SCHEMA)
+    for p in doc["phases"]:
+        for point in ("baseline", "end", "peak"):
+            assert p[f"{point}_allocated_bytes"] <= p[f"{point}_reserved_bytes"], p
+        for counter in ("allocated", "reserved"):
+            assert p[f"end_{counter}_bytes"] <= p[f"peak_{counter}_bytes"], p
+            assert p[f"baseline_{counter}_bytes"] <= p[f"peak_{counter}_bytes"], p
+        assert p["seconds"] > 0 and p["device_seconds"] >= 0
+
+
+def expected_parameter_bytes(doc):
+    element = DTYPE_BYTES[doc["configuration"]["dtype"]]
+    shapes = doc["synthetic_model"]["parameter_shapes"].values()
+    total = 0
+    for shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += round512(numel * element)
+    return total
+
+
+def check_load_and_inputs(doc):
+    load, inputs = doc["phases"][0], doc["phases"][1]
+    c = doc["configuration"]
+    assert load["end_allocated_bytes"] - load["baseline_allocated_bytes"] == expected_parameter_bytes(doc)
+    x_bytes = c["batch"] * c["context"] * c["width"] * DTYPE_BYTES[c["dtype"]]
+    assert inputs["end_allocated_bytes"] - inputs["baseline_allocated_bytes"] == round512(x_bytes)
+
+
+def test_small_command_gives_six_records(mm_script, mm, tmp_path):
+    out = tmp_path / "mesures-petit-essai.json"
+    proc = measure(mm_script, out, *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert [p["phase"] for p in doc["phases"]] == ["model_load", "inputs", "cold_forward", "warmup", "warm_forward", "warm_forward"]
+    check_invariants(doc)
+    check_load_and_inputs(doc)
+    assert doc["environment"]["device_visible"] is True
+    assert mm.compare(doc)["allocated_exact"] is True
+    again = measure(mm_script, out, *SMALL)  # never overwrites a result
+    assert again.returncode == 2 and json.loads(out.read_text()) == doc
+
+
+@pytest.fixture(scope="session")
+def acceptance(tmp_path_factory):
+    """Measure the twelve configurations, each in a fresh process."""
+    folder = tmp_path_factory.mktemp("acceptance")
+    docs = {}
+    for (b, t, w, h), dtype in CONFIGS:
+        out = folder / f"m-{b}-{t}-{w}-{h}-{dtype}.json"
+        proc = measure(LIBRARY_SCRIPT, out, "--batch", b, "--context", t, "--width", w, "--hidden", h,
+                       "--dtype", dtype, "--warmup", "3", "--repeats", "5")
+        assert proc.returncode == 0, proc.stderr
+        docs[((b, t, w, h), dtype)] = json.loads(out.read_text())
+    return docs
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_measurement_invariants(acceptance, config):
+    doc = acceptance[config]
+    assert len(doc["phases"]) == 4 + 5
+    check_invariants(doc)
+    check_load_and_inputs(doc)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_prediction_equals_measurement(mm, acceptance, config):
+    comparison = mm.compare(acceptance[config])
+    wrong = [(r["phase"], r["index"], k, v) for r in comparison["rows"] for k, v in r.items()
+             if k.startswith("difference_") and "allocated" in k and v != 0]
+    assert wrong == [] and comparison["allocated_exact"] is True
+
+
+def test_write_acceptance_report(mm, acceptance):
+    folder = os.environ.get("ITERAGPU_REPORT_DIR")
+    rows = []
+    for config, doc in acceptance.items():
+        comparison = mm.compare(doc)
+        diffs = [v for r in comparison["rows"] for k, v in r.items() if k.startswith("difference_")]
+        exact_records = sum(all(v == 0 for k, v in r.items() if k.startswith("difference_") and "allocated" in k)
+                            for r in comparison["rows"])
+        rows.append({"size": "x".join(map(str, config[0])), "dtype": config[1],
+                     "max_peak_allocated_bytes": max(p["peak_allocated_bytes"] for p in doc["phases"]),
+                     "max_peak_reserved_bytes": max(p["peak_reserved_bytes"] for p in doc["phases"]),
+                     "allocated_records_exact": f"{exact_records}/{len(doc['phases'])}",
+                     "reserved_exact": all(d == 0 for d in diffs),
+                     "workspace_detected_bytes": comparison["workspace_detected_bytes"]})
+    assert len(rows) == 12
+    if folder:
+        with open(Path(folder) / "prediction-acceptance.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def test_impossible_size_exits_3_without_file(tmp_path):
+    out = tmp_path / "m.json"
+    # the input alone would be 2**20 * 2**16 * 64 * 4 bytes = 16 TiB on the device
+    proc = measure(LIBRARY_SCRIPT, out, "--batch", str(2**20), "--context", str(2**16), "--width", "64")
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "phase inputs failed" in lines[0] and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,273 @@
+"""CPU tests of mesure_memoire: estimate, environment, CLI errors, file safety, predict.
+
+Every test taking `mm` or `mm_script` runs twice: on lab_helpers/mesure_memoire.py and on
+the copy inlined in notebooks/mesure-memoire.ipynb."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT, cuda_available
+
+GIB = 2**30
+MIB = 2**20
+SMALL_MEASURE = ["measure", "--device", "cuda:0", "--batch", "1", "--context", "16", "--width", "64",
+                 "--dtype", "float32", "--warmup", "1", "--repeats", "2"]
+
+
+def run(script, *args, cwd=None, env=None):
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=120)
+
+
+def assert_one_line_error(proc, code=2):
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    return lines[0]
+
+
+# ---------------------------------------------------------------- estimate
+def test_estimate_seed_example(mm):
+    got = mm.estimate(7_000_000_000, 16, 4)
+    assert got["weight_bytes"] == 14_000_000_000
+    assert got["bytes_per_parameter"] == 2
+    assert got["weight_gb"] == 14.0
+    assert got["total_gib"] == pytest.approx(17.0385160446167, abs=1e-12)
+    assert got["total_gib"] == 14_000_000_000 / GIB + 4
+    assert {"activations", "KV cache", "gradients", "optimizer states"} <= set(got["excludes"])
+    assert any("quantization" in e for e in got["excludes"])
+    assert any("CUDA context" in e for e in got["excludes"])
+
+
+@pytest.mark.parametrize("bits, per_parameter", [(1, 1), (4, 1), (8, 1), (9, 2), (12, 2), (16, 2), (32, 4), (64, 8)])
+def test_bits_round_up_to_whole_bytes(mm, bits, per_parameter):
+    got = mm.estimate(1000, bits)
+    assert got["bytes_per_parameter"] == per_parameter
+    assert got["weight_bytes"] == 1000 * per_parameter
+    assert got["reserve_gib"] == 0 and got["total_gib"] == got["weight_gib"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parameters=st.integers(1, 10**15), bits=st.integers(1, 64),
+       reserve=st.floats(0, 1024, allow_nan=False, allow_infinity=False))
+def test_estimate_properties(mm, parameters, bits, reserve):
+    got = mm.estimate(parameters, bits, reserve)
+    per = got["bytes_per_parameter"]
+    assert (per - 1) * 8 < bits <= per * 8
+    assert isinstance(got["weight_bytes"], int) and got["weight_bytes"] == parameters * per
+    assert got["weight_gib"] == got["weight_bytes"] / GIB
+    assert got["weight_gb"] == got["weight_bytes"] / 10**9
+    assert got["total_gib"] == got["weight_gib"] + reserve
+
+
+def test_estimate_cli_prints_json(mm_script):
+    proc = run(mm_script, "estimate", "--parameters", "7000000000", "--bits", "16", "--reserve-gib", "4")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["weight_bytes"] == 14_000_000_000
+    assert math.isclose(got["total_gib"], 17.0385160446167, abs_tol=1e-12)
+
+
+# ------------------------------------------------------------ bad invocations
+BAD_INVOCATIONS = [
+    [],
+    ["no-such-command"],
+    ["estimate", "--bits", "16"],
+    ["estimate", "--parameters", "0", "--bits", "16"],
+    ["estimate", "--parameters", "-5", "--bits", "16"],
+    ["estimate", "--parameters", "7e9", "--bits", "16"],
+    ["estimate", "--parameters", "100", "--bits", "0"],
+    ["estimate", "--parameters", "100", "--bits", "65"],
+    ["estimate", "--parameters", "100", "--bits", "16", "--reserve-gib", "-1"],
+    ["estimate", "--parameters", "100", "--bits", "16", "--reserve-gib", "nan"],
+    ["estimate", "--parameters", "100", "--bits", "16", "--reserve-gib", "inf"],
+    ["estimate", "--parameters", "100", "--bits", "16", "--reserve-gib", "four"],
+    ["environment", "--device", "cpu"],
+    ["environment", "--device", "cuda"],
+    ["environment", "--device", "cuda:x"],
+    ["measure", "--device", "cuda:0"],
+    [*SMALL_MEASURE, "--batch", "0", "--output", "m.json"],
+    [*SMALL_MEASURE, "--context", "-1", "--output", "m.json"],
+    [*SMALL_MEASURE, "--width", "0", "--output", "m.json"],
+    [*SMALL_MEASURE, "--hidden", "0", "--output", "m.json"],
+    [*SMALL_MEASURE, "--repeats", "0", "--output", "m.json"],
+    [*SMALL_MEASURE, "--warmup", "-1", "--output", "m.json"],
+    [*SMALL_MEASURE, "--dtype", "float64", "--output", "m.json"],
+    [*SMALL_MEASURE, "--device", "cpu", "--output", "m.json"],
+    [*SMALL_MEASURE, "--device", "cuda:-1", "--output", "m.json"],
+    [*SMALL_MEASURE, "--output", "missing-folder/m.json"],
+    ["predict", "--batch", "0"],
+    ["predict", "--dtype", "int8"],
+    ["predict", "--workspace-bytes", "-1"],
+    ["compare", "missing.json"],
+    ["compare", "not-a-measurement.json"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_INVOCATIONS, ids=lambda a: " ".join(a) or "(none)")
+def test_bad_invocation_exits_2_with_one_line(mm_script, tmp_path, argv):
+    (tmp_path / "not-a-measurement.json").write_text('{"hello": 1}')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = assert_one_line_error(run(mm_script, *argv, cwd=tmp_path))
+    assert "error" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no file written
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU refusal")
+def test_measure_without_cuda_exits_2_and_writes_nothing(mm_script, tmp_path):
+    line = assert_one_line_error(run(mm_script, *SMALL_MEASURE, "--output", "m.json", cwd=tmp_path))
+    assert "no CUDA" in line and "CPU" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_measure_refuses_existing_output_untouched(mm_script, tmp_path):
+    target = tmp_path / "m.json"
+    target.write_text("keep me")
+    line = assert_one_line_error(run(mm_script, *SMALL_MEASURE, "--output", target))
+    assert "already exists" in line
+    assert target.read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+# --------------------------------------------------------- torch unimportable
+@pytest.fixture
+def no_torch_env(tmp_path):
+    """An environment where `import torch` fails, with a path in the message."""
+    fake = tmp_path / "fake-site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise ImportError("libtorch_cuda.so: cannot open /home/canary-user-77/lib/libtorch_cuda.so")\n')
+    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fake.parent)}
+
+
+def test_environment_reports_without_torch(mm_script, no_torch_env, tmp_path):
+    proc = run(mm_script, "environment", "--device", "cuda:0", env=no_torch_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["torch_version"] == "unavailable"
+    assert got["torch_unavailable_reason"].startswith("ImportError: libtorch_cuda.so: cannot open <path>")
+    assert got["device_visible"] is False
+    assert "canary-user-77" not in proc.stdout + proc.stderr
+
+
+def test_measure_without_torch_exits_2(mm_script, no_torch_env, tmp_path):
+    proc = run(mm_script, *SMALL_MEASURE, "--output", "m.json", env=no_torch_env, cwd=tmp_path)
+    line = assert_one_line_error(proc)
+    assert "torch cannot be imported" in line
+    assert "canary-user-77" not in line
+    assert not (tmp_path / "m.json").exists()
+
+
+# ------------------------------------------------------------------ privacy
+CANARIES = {"HOME": "/home/canary-home-5150", "USER": "canary-user-5150", "LOGNAME": "canary-login-5150",
+            "SECRET_TOKEN": "canary-secret-5150", "HOSTNAME": "canary-host-5150"}
+
+
+def test_environment_output_carries_no_private_value(mm_script, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", **CANARIES}
+    work = tmp_path / "canary-cwd-5150"
+    work.mkdir()
+    proc = run(mm_script, "environment", "--device", "cuda:0", cwd=work, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for value in [*CANARIES.values(), "canary-cwd-5150"]:
+        assert value not in proc.stdout + proc.stderr
+
+
+def test_environment_reads_no_host_or_user_name(mm, monkeypatch):
+    import getpass
+    import platform
+    import socket
+    monkeypatch.setattr(socket, "gethostname", lambda: "canary-host-9")
+    monkeypatch.setattr(platform, "node", lambda: "canary-host-9")
+    monkeypatch.setattr(getpass, "getuser", lambda: "canary-user-9")
+    text = json.dumps(mm.environment("cuda:0"))
+    assert "canary" not in text
+
+
+def test_module_source_never_reads_private_sources(mm_script):
+    source = Path(mm_script).read_text()
+    for forbidden in ("os.environ", "getenv", "gethostname", "getuser", "expanduser", "Path.home", "platform.node", "uname"):
+        assert forbidden not in source, forbidden
+
+
+# ------------------------------------------------------------- file safety
+def test_write_new_json_is_exclusive_and_whole(mm, tmp_path):
+    target = tmp_path / "out.json"
+    mm.write_new_json(target, {"a": 1})
+    with pytest.raises(mm.LabError, match="already exists"):
+        mm.write_new_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left
+
+
+def test_two_writers_racing_one_wins(mm, tmp_path):
+    target = tmp_path / "race.json"
+    outcomes = []
+
+    def writer(n):
+        try:
+            mm.write_new_json(target, {"writer": n, "pad": "x" * 100_000})
+            outcomes.append(("won", n))
+        except mm.LabError:
+            outcomes.append(("lost", n))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [n for kind, n in outcomes if kind == "won"]
+    assert len(winners) == 1 and len(outcomes) == 8
+    assert json.loads(target.read_text())["writer"] == winners[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["race.json"]
+
+
+def test_new_file_name_never_reuses_a_name(mm, tmp_path):
+    first = mm.new_file_name(tmp_path, "mesures")
+    first.write_text("{}")
+    second = mm.new_file_name(tmp_path, "mesures")
+    assert second != first and not second.exists() and second.name.startswith("mesures-")
+
+
+# ------------------------------------------------------- standalone running
+def test_script_runs_alone_from_an_empty_folder(mm_script, tmp_path):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(mm_script, alone / "mesure_memoire.py")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, "-I", str(alone / "mesure_memoire.py"), "estimate", "--parameters",
+                           "7000000000", "--bits", "16", "--reserve-gib", "4"],
+                          capture_output=True, text=True, cwd=elsewhere, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["weight_bytes"] == 14_000_000_000
+    proc = subprocess.run([sys.executable, "-I", str(alone / "mesure_memoire.py"), "predict"],
+                          capture_output=True, text=True, cwd=elsewhere, timeout=60)
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)["phases"]) == 6
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.mesure_memoire", "estimate", "--parameters", "10",
+                           "--bits", "4"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["weight_bytes"] == 10
+
+
+def test_estimate_and_predict_never_import_torch(mm_script, tmp_path):
+    code = (f"import runpy, sys; sys.argv = ['m', 'estimate', '--parameters', '5', '--bits', '8'];\n"
+            f"try:\n    runpy.run_path({str(mm_script)!r}, run_name='__main__')\nexcept SystemExit: pass\n"
+            f"sys.argv = ['m', 'predict']\n"
+            f"try:\n    runpy.run_path({str(mm_script)!r}, run_name='__main__')\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
