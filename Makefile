@@ -29,7 +29,7 @@ sync: venv-lab
 sync-check: venv-lab
 	$(PY) -m lab_helpers.notebook_sync --check
 
-kit: venv-lab
+kit: sync-check
 	$(PY) -m lab_helpers.kit build
 
 verify-kit: venv-lab
