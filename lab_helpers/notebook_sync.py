@@ -28,12 +28,21 @@ MAIN_GUARD = 'if __name__ == "__main__":'
 FIX_COMMAND = "make sync"
 
 
+LIBRARY_ONLY_START = "# >>> library only"
+LIBRARY_ONLY_END = "# <<< library only"
+
+
 def cell_text(source: str, root: Path = ROOT) -> str:
     """Return the notebook cell text generated from the module file `source`."""
     text = (root / source).read_text(encoding="utf-8")
     lines = text.splitlines()
     if MAIN_GUARD in lines:
         lines = lines[: lines.index(MAIN_GUARD)]
+    # imports of sibling modules: in the notebook an earlier generated cell defines those names
+    while LIBRARY_ONLY_START in lines:
+        start = lines.index(LIBRARY_ONLY_START)
+        end = lines.index(LIBRARY_ONLY_END, start)
+        del lines[start:end + 1]
     body = "\n".join(lines).rstrip()
     return BANNER.format(source=source) + "\n" + body + "\n"
 
@@ -63,6 +72,19 @@ def notebook_code(notebook: str, source: str, root: Path = ROOT) -> str:
     if source not in cells:
         raise KeyError(f"{notebook} has no cell tagged {TAG_PREFIX}{source}")
     return module_text(cells[source].source)
+
+
+def notebook_code_upto(notebook: str, source: str, root: Path = ROOT) -> str:
+    """Return the code of `notebook`'s generated cells, in order, up to the one from `source`."""
+    nb = nbformat.read(root / notebook, as_version=4)
+    parts = []
+    for cell in nb.cells:
+        tags = [t for t in cell.get("metadata", {}).get("tags", []) if t.startswith(TAG_PREFIX)]
+        if tags:
+            parts.append(module_text(cell.source))
+            if tags[0][len(TAG_PREFIX):] == source:
+                return "\n\n".join(parts)
+    raise KeyError(f"{notebook} has no cell tagged {TAG_PREFIX}{source}")
 
 
 def sync(root: Path = ROOT, check: bool = False, only=None) -> list:

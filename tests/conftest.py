@@ -27,7 +27,8 @@ def implementation_file(kind: str, source: str, workdir: Path) -> Path:
     """Return a runnable .py file for `source` taken from the library or its notebook."""
     if kind == "library":
         return ROOT / source
-    code = notebook_sync.notebook_code(_notebook_for(source), source)
+    # what the notebook's kernel has defined once that cell has run
+    code = notebook_sync.notebook_code_upto(_notebook_for(source), source)
     path = workdir / Path(source).name
     path.write_text(code + (MAIN_TRAILER if "def main(" in code else ""), encoding="utf-8")
     return path
