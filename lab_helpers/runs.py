@@ -1,0 +1,158 @@
+"""Put measurement files side by side: one tidy table, grouped bars, and warm-forward throughput.
+
+    python -m lab_helpers.runs mesures-h100.json mesures-h200.json [--counter peak_reserved_bytes]
+    python -m lab_helpers.runs mesures-*.json --csv runs.csv     # the tidy table, to a new file
+"""
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+# >>> library only
+from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, _Parser  # _Parser: one-line errors, exit 2
+# <<< library only
+
+ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")
+CONFIGURATION_COLUMNS = ("device", "batch", "context", "width", "hidden", "dtype", "warmup", "repeats", "seed")
+MODEL_COLUMNS = ("parameter_count", "parameter_bytes", "forward_flops")
+BYTE_COUNTERS = tuple(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak")
+                      for counter in ("allocated", "reserved"))
+PHASE_COLUMNS = ("phase", "index", "passes", "seconds", "device_seconds", *BYTE_COUNTERS,
+                 "achieved_tflops", "host_to_device_time_ratio")
+COLUMNS = ("run", *PHASE_COLUMNS, *CONFIGURATION_COLUMNS, *MODEL_COLUMNS, *ENVIRONMENT_COLUMNS)
+INT_COLUMNS = ("index", "passes", *BYTE_COUNTERS, "batch", "context", "width", "hidden", "warmup",
+               "repeats", "seed", *MODEL_COLUMNS)
+THROUGHPUT_COLUMNS = ("run", "index", "device_name", "dtype", "batch", "context", "width", "hidden",
+                      "forward_flops", "seconds", "device_seconds", "achieved_tflops",
+                      "host_to_device_time_ratio")
+MEASUREMENT_KIND = "iteragpu-lab measurement"
+WARM_FORWARD = "warm_forward"
+TERA = 1e12
+MIB = 2**20
+
+
+class RunsError(Exception):
+    """A file that cannot be read as a measurement, or a refused output: one line, exit 2."""
+
+
+def _read(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RunsError(f"cannot read {path}: {type(exc).__name__}") from None
+    if not isinstance(document, dict) or document.get("kind") != MEASUREMENT_KIND:
+        raise RunsError(f"{path} is not a measurement file (kind must be {MEASUREMENT_KIND!r})")
+    return document
+
+
+def load_runs(paths) -> pd.DataFrame:
+    """Return one row per phase record of every file, with its run (file stem), configuration and environment."""
+    records, seen = [], set()
+    for path in map(Path, paths):
+        if path.stem in seen:
+            raise RunsError(f"two files are named {path.stem!r}; rename one, the run is named after the file")
+        seen.add(path.stem)
+        document = _read(path)
+        try:
+            shared = {"run": path.stem,
+                      **{k: document["configuration"][k] for k in CONFIGURATION_COLUMNS},
+                      **{k: document["synthetic_model"][k] for k in MODEL_COLUMNS},
+                      **{k: document["environment"].get(k) for k in ENVIRONMENT_COLUMNS}}
+            records += [{**shared, **{k: phase.get(k) for k in PHASE_COLUMNS}} for phase in document["phases"]]
+        except (KeyError, TypeError) as exc:
+            raise RunsError(f"{path} lacks a field of a measurement: {exc}") from None
+    frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
+    frame = frame.astype({column: "Int64" for column in INT_COLUMNS})
+    return frame.astype({"achieved_tflops": "float64", "host_to_device_time_ratio": "float64"})
+
+
+def run_phase_labels(df: pd.DataFrame) -> pd.Series:
+    """Label each record by its phase, with the repeat index for warm forwards: 'warm_forward #0'."""
+    return df["phase"] + df["index"].map(lambda i: "" if pd.isna(i) else f" #{i}")
+
+
+def plot_runs(df: pd.DataFrame, counter: str = "peak_allocated_bytes", ax=None):
+    """Grouped bars: for each phase, one bar per run of `counter` in MiB, labelled; return the Axes."""
+    table = memory_table(df, counter)
+    if ax is None:
+        import matplotlib.pyplot as plt
+        ax = plt.subplots(figsize=(9, 4))[1]
+    width = 0.8 / max(len(table.columns), 1)
+    for i, run in enumerate(table.columns):
+        positions = [x + (i - (len(table.columns) - 1) / 2) * width for x in range(len(table))]
+        bars = ax.bar(positions, table[run].astype("float64") / MIB, width, label=run)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(table)), table.index, rotation=30, ha="right")
+    ax.set(ylabel=f"{counter.replace('_bytes', '').replace('_', ' ')} (MiB)", title="Runs side by side, per phase")
+    ax.legend()
+    return ax
+
+
+def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per warm forward: network FLOPs, TFLOP/s from the device time, host/device time ratio."""
+    warm = df[df["phase"] == WARM_FORWARD].reset_index(drop=True)
+    table = warm[list(THROUGHPUT_COLUMNS)].copy()
+    table["achieved_tflops"] = warm["forward_flops"].astype("float64") / warm["device_seconds"] / TERA
+    table["host_to_device_time_ratio"] = warm["seconds"] / warm["device_seconds"]
+    return table
+
+
+def memory_table(df: pd.DataFrame, counter: str = "peak_allocated_bytes") -> pd.DataFrame:
+    """`counter` in bytes per phase (rows) and run (columns), phases in measured order."""
+    if counter not in BYTE_COUNTERS:
+        raise RunsError(f"counter must be one of {', '.join(BYTE_COUNTERS)}, got {counter!r}")
+    table = df.assign(phase_label=run_phase_labels(df)).pivot(index="phase_label", columns="run", values=counter)
+    return table.reindex(index=list(dict.fromkeys(run_phase_labels(df))), columns=list(dict.fromkeys(df["run"])))
+
+
+def write_new_csv(df: pd.DataFrame, path) -> None:
+    """Write `df` to `path` whole or not at all; refuse if `path` exists."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as handle:
+            df.to_csv(handle, index=False, lineterminator="\n")
+        os.link(tmp, path)  # atomic and exclusive: fails if the name is taken
+    except FileExistsError:
+        raise RunsError(f"{path} already exists; choose a new file name") from None
+    finally:
+        os.unlink(tmp)
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit code."""
+    parser = _Parser(prog="runs", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", metavar="FILE", help="measurement JSON files (mesure_memoire measure)")
+    parser.add_argument("--counter", choices=BYTE_COUNTERS, default="peak_allocated_bytes",
+                        help="counter of the per-phase table (default peak_allocated_bytes)")
+    parser.add_argument("--csv", metavar="OUT", help="also write the tidy table to this new CSV file")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code
+    try:
+        if args.csv and Path(args.csv).exists():
+            raise RunsError(f"{args.csv} already exists; choose a new file name")
+        df = load_runs(args.files)
+        if args.csv:
+            write_new_csv(df, args.csv)
+    except (RunsError, OSError) as exc:
+        print(f"runs: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    runs = df.drop_duplicates("run").set_index("run")
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(runs[[*ENVIRONMENT_COLUMNS, "batch", "context", "width", "hidden", "dtype"]].to_string())
+        print(f"\n{args.counter} per phase:")
+        print(memory_table(df, args.counter).to_string())
+        print("\nwarm forward throughput:")
+        print(throughput_table(df).to_string(index=False, float_format=lambda v: f"{v:.6g}"))
+    if args.csv:
+        print(f"\ntidy table: {args.csv}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
