@@ -37,11 +37,14 @@ def plot_phases(document, axes=None):
         for k, point in enumerate(POINTS):
             values = [p[f"{point}_{counter}_bytes"] / MIB for p in phases]
             xs = [i + (k - 1) * width for i in range(len(phases))]
-            ax.bar(xs, values, width, label=point, color=POINT_COLOURS[point])
+            bars = ax.bar(xs, values, width, label=point, color=POINT_COLOURS[point])
+            if point == "peak":  # small phases are invisible beside the workspace: print them
+                ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
         ax.set_xticks(range(len(phases)), labels, rotation=30, ha="right")
         ax.set_title(f"{counter} (this process's PyTorch allocator)")
         ax.set_ylabel("MiB")
-        ax.legend(title="read at")
+        ax.legend(title="read at (peak labelled in MiB)")
+        ax.margins(y=0.1)
         ax.grid(axis="y", alpha=0.3)
     axes[0].figure.suptitle("GPU memory per phase: allocated is part of reserved; peaks are separate maxima")
     axes[0].figure.tight_layout()

@@ -219,14 +219,16 @@ def plot_sweep(summary, ax=None):
     failed = [r for r in rows if r["status"] in (OOM, OVER_BUDGET)]
     for counter, color in (("allocated", "tab:blue"), ("reserved", "tab:orange")):
         ax.plot([int(r["value"]) for r in done], [r[f"measured_peak_{counter}_bytes"] / MIB for r in done],
-                "o-", color=color, label=f"measured peak {counter}")
+                "o-", color=color, markersize=9, alpha=0.5, label=f"measured peak {counter}")
+        # drawn on top, so that a prediction equal to the measurement still shows
         ax.plot([int(r["value"]) for r in rows], [r[f"predicted_peak_{counter}_bytes"] / MIB for r in rows],
-                "x--", color=color, alpha=0.6, label=f"predicted peak {counter}")
+                "x--", color=color, markersize=9, markeredgewidth=2, label=f"predicted peak {counter}")
     if failed:
         ax.plot([int(r["value"]) for r in failed], [r["predicted_peak_reserved_bytes"] / MIB for r in failed],
                 "rv", linestyle="none", label="did not fit (oom / over budget)")
     dimension = rows[0]["dimension"] if rows else "value"
-    ax.set(xlabel=dimension, ylabel="MiB", title=f"Peak memory against {dimension}")
+    ax.set(xlabel=dimension, ylabel="MiB",
+           title=f"Peak memory against {dimension} (x on a dot: predicted = measured)")
     if len(rows) > 1 and int(rows[-1]["value"]) >= 8 * int(rows[0]["value"]):
         ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
