@@ -3,6 +3,8 @@ PY := .venv/bin/python
 KIT ?= dist/iteragpu-lab-v1.zip
 # Extra JupyterLab flags, e.g. make lab LAB_ARGS="--no-browser --port 8888"
 LAB_ARGS ?=
+# Rented GPU machines often log you in as root, where JupyterLab refuses to start without this.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test test-gpu sync sync-check kit verify-kit venv-lab venv-test
 
@@ -13,7 +15,7 @@ venv-test:
 	bash .ci/venv.sh test
 
 lab: venv-lab
-	$(PY) -m jupyterlab --notebook-dir=notebooks $(LAB_ARGS)
+	$(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 test: venv-test
 	$(PY) -m pytest
