@@ -324,14 +324,13 @@ def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
     raise LabError(f"no free file name for {stem} in {folder}")
 
 
-def write_new_json(path, document) -> None:
-    """Write `document` to `path` whole or not at all; refuse if `path` exists."""
+def write_new_text(path, text: str) -> None:
+    """Write `text` to `path` whole or not at all; refuse if `path` exists."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=2)
-            handle.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.link(tmp, path)  # atomic and exclusive: fails if another run took the name
@@ -339,6 +338,11 @@ def write_new_json(path, document) -> None:
         raise LabError(f"{path} already exists; choose a new file name") from None
     finally:
         os.unlink(tmp)
+
+
+def write_new_json(path, document) -> None:
+    """Write `document` as JSON to `path` whole or not at all; refuse if `path` exists."""
+    write_new_text(path, json.dumps(document, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------- predict

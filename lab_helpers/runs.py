@@ -4,15 +4,13 @@
     python -m lab_helpers.runs mesures-*.json --csv runs.csv     # the tidy table, to a new file
 """
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 # >>> library only
-from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, _Parser  # _Parser: one-line errors, exit 2
+from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, LabError, _Parser, write_new_text  # _Parser: one-line errors
 # <<< library only
 
 ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")
@@ -110,16 +108,10 @@ def memory_table(df: pd.DataFrame, counter: str = "peak_allocated_bytes") -> pd.
 
 def write_new_csv(df: pd.DataFrame, path) -> None:
     """Write `df` to `path` whole or not at all; refuse if `path` exists."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as handle:
-            df.to_csv(handle, index=False, lineterminator="\n")
-        os.link(tmp, path)  # atomic and exclusive: fails if the name is taken
-    except FileExistsError:
-        raise RunsError(f"{path} already exists; choose a new file name") from None
-    finally:
-        os.unlink(tmp)
+        write_new_text(path, df.to_csv(index=False, lineterminator="\n"))
+    except LabError as exc:
+        raise RunsError(str(exc)) from None
 
 
 def main(argv=None) -> int:
