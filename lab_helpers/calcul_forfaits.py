@@ -1,6 +1,6 @@
 """Price of a GPU forfait from a rate card, and the cost of one accepted result.
 
-    python calcul_forfaits.py --gpu b200 --days 7 --lots 2 [--accepted-results N]
+    python calcul_forfaits.py --gpu b200 --days 7 --lots 2 [--accepted-results N] [--format table]
     python calcul_forfaits.py --list
 
 Standard library only, so the file runs on its own next to `tarifs-forfaits.csv`
@@ -12,7 +12,9 @@ import argparse
 import csv
 import io
 import json
+import os
 import re
+import stat
 import sys
 from datetime import date
 from decimal import ROUND_HALF_UP, Decimal, localcontext
@@ -25,15 +27,34 @@ CARD_COLUMNS = (
     "model_id", "display_name", "gpus_per_lot", "memory_per_gpu_gib", "duration_days",
     "lot_price_cents", "currency", "snapshot_date", "provenance",
 )
-INTEGER_COLUMNS = ("gpus_per_lot", "memory_per_gpu_gib", "duration_days", "lot_price_cents")
 MODEL_COLUMNS = ("display_name", "gpus_per_lot", "memory_per_gpu_gib")
 DURATIONS_DAYS = (3, 7, 30)
 CURRENCY = "USD"
 CENTS_PER_UNIT = 100
+# Documented upper bounds: far above any real forfait, low enough that every total and
+# unit cost stays exact in the Decimal arithmetic below.
+MAX_LOTS = 10_000
+MAX_ACCEPTED_RESULTS = 10**15
+MAX_LOT_PRICE_CENTS = 10**15  # ten trillion dollars
+MAX_GPUS_PER_LOT = 1_024
+MAX_MEMORY_PER_GPU = 1_000_000  # in the vendor's published "GB"
+# Whole-number card columns -> their largest accepted value; duration_days is checked
+# against DURATIONS_DAYS after.
+CARD_NUMBER_MAXIMA = {
+    "gpus_per_lot": MAX_GPUS_PER_LOT, "memory_per_gpu_gib": MAX_MEMORY_PER_GPU,
+    "duration_days": max(DURATIONS_DAYS), "lot_price_cents": MAX_LOT_PRICE_CENTS,
+}
+# The card is read whole, so its size is bounded before reading: the shipped one is ~6 kB.
+MAX_CARD_BYTES = 1024 * 1024
 MODEL_ID_PATTERN = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+DATE_PATTERN = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+ASCII_DIGITS = frozenset("0123456789")
+SHOWN_CHARACTERS = 40  # a refused value is quoted in the error up to this length
 ILLUSTRATIVE_MARKER = "illustrative"
+MEMORY_TITLE = "memory/GPU (vendor GB)"
 EXIT_OK = 0
 EXIT_USAGE = 2
+FORMATS = ("json", "table")
 # Extra significant digits for the Decimal division: enough that the quotient is never
 # rounded before the final rounding to a whole cent.
 GUARD_DIGITS = 5
@@ -43,6 +64,8 @@ UNIT_COST_ROUNDING = (
     "unit_cost_cents = total_price_cents / accepted_results, computed exactly with "
     "Decimal, then rounded to a whole cent, halves rounded up (ROUND_HALF_UP)"
 )
+ASSUMPTIONS = ("the whole forfait is paid; no hourly proration; no currency conversion; "
+               "unit cost rounded half up to the cent")
 NOTICE = ("This rate card proves neither availability nor a reservation: confirm both "
           "with the provider before relying on it.")
 ILLUSTRATIVE_NOTICE = " Its figures are illustrative, not a quote."
@@ -56,36 +79,73 @@ class CardError(ForfaitError):
     """A fault in the rate card file, named by file and line."""
 
 
-def _positive_int(text: str):
-    """Return `text` as an int if it is a whole number of at least 1, else None."""
-    return int(text) if text.isascii() and text.isdigit() and int(text) >= 1 else None
+def printable(text: str) -> str:
+    """Return `text` with control, non-printable and unpaired surrogate characters escaped."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _quoted(text: str) -> str:
+    """Return `text` quoted for an error line, cut to SHOWN_CHARACTERS."""
+    if len(text) > SHOWN_CHARACTERS:
+        return repr(text[:SHOWN_CHARACTERS]) + f"... ({len(text)} characters)"
+    return repr(text)
+
+
+def _whole_number(text: str, name: str, minimum: int, maximum: int) -> int:
+    """Return `text` as an int in [minimum, maximum]: ASCII digits only, length checked first."""
+    label = f"{name} " if name else ""
+    if not text:
+        raise ForfaitError(f"{label}is empty; expected a whole number")
+    if not ASCII_DIGITS.issuperset(text):
+        raise ForfaitError(f"{label}{_quoted(text)} is not a whole number "
+                           "(ASCII digits 0-9 only: no sign, space, separator or decimal point)")
+    if len(text) > len(str(maximum)):  # before int(): a 4300-digit value costs nothing
+        raise ForfaitError(f"{label}has {len(text)} digits: too large "
+                           f"({minimum} to {maximum} accepted)")
+    value = int(text)
+    if not minimum <= value <= maximum:
+        raise ForfaitError(f"{label}{value} is out of range ({minimum} to {maximum} accepted)")
+    return value
 
 
 def _check_row(record: dict, where: str) -> dict:
     """Validate one card row (all fields as text) and return it typed."""
     row = dict(record)
     if not MODEL_ID_PATTERN.fullmatch(row["model_id"]):
-        raise CardError(f"{where}: model_id {row['model_id']!r} is not a lowercase slug "
+        raise CardError(f"{where}: model_id {_quoted(row['model_id'])} is not a lowercase slug "
                         "such as 'h100-sxm'")
     for column in ("display_name", "provenance"):
-        if not row[column]:
+        if not row[column].strip():
             raise CardError(f"{where}: {column} is empty")
-    for column in INTEGER_COLUMNS:
-        value = _positive_int(row[column])
-        if value is None:
-            raise CardError(f"{where}: {column} {row[column]!r} is not a positive integer")
-        row[column] = value
+    for column, maximum in CARD_NUMBER_MAXIMA.items():
+        try:
+            row[column] = _whole_number(row[column], column, 1, maximum)
+        except ForfaitError as exc:
+            raise CardError(f"{where}: {exc}") from None
     if row["duration_days"] not in DURATIONS_DAYS:
         raise CardError(f"{where}: duration_days {row['duration_days']} is not one of "
                         f"{_join(DURATIONS_DAYS)}")
     if row["currency"] != CURRENCY:
-        raise CardError(f"{where}: currency {row['currency']!r} is not {CURRENCY}")
-    try:
-        date.fromisoformat(row["snapshot_date"])
-    except ValueError:
-        raise CardError(f"{where}: snapshot_date {row['snapshot_date']!r} is not a date "
-                        "(YYYY-MM-DD)") from None
+        raise CardError(f"{where}: currency {_quoted(row['currency'])} is not {CURRENCY}")
+    if not is_iso_date(row["snapshot_date"]):
+        raise CardError(f"{where}: snapshot_date {_quoted(row['snapshot_date'])} is not a date "
+                        "(YYYY-MM-DD)")
     return row
+
+
+def is_iso_date(text: str) -> bool:
+    """True when `text` is a real calendar date written YYYY-MM-DD in ASCII digits."""
+    if not DATE_PATTERN.fullmatch(text):
+        return False
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_card(text: str, source: str = CARD_NAME) -> list:
@@ -126,11 +186,12 @@ def parse_card(text: str, source: str = CARD_NAME) -> list:
 
 
 def csv_rows(reader, source: str):
-    """Yield the reader's non-blank rows, fields stripped; CSV syntax faults become CardError."""
+    """Yield the reader's rows that are not blank, fields as written (nothing stripped).
+
+    CSV syntax faults become CardError naming `source` and the line."""
     try:
         for fields in reader:
-            fields = [field.strip() for field in fields]
-            if any(fields):
+            if any(field.strip() for field in fields):
                 yield fields
     except csv.Error as exc:
         raise CardError(f"{source}, line {reader.line_num}: {exc}") from None
@@ -140,7 +201,7 @@ def _check_header(fields: list, where: str) -> None:
     """Raise CardError unless `fields` holds the card's columns, once each, in any order."""
     faults = {
         "missing": [name for name in CARD_COLUMNS if name not in fields],
-        "unexpected": [repr(name) for name in fields if name not in CARD_COLUMNS],
+        "unexpected": [_quoted(name) for name in fields if name not in CARD_COLUMNS][:5],
         "repeated": [name for name in CARD_COLUMNS if fields.count(name) > 1],
     }
     if any(faults.values()):
@@ -148,27 +209,95 @@ def _check_header(fields: list, where: str) -> None:
         raise CardError(f"{where}: wrong header ({found}); expected: {','.join(CARD_COLUMNS)}")
 
 
-def load_card(path) -> list:
-    """Read and validate the rate card at `path`; return its rows as typed dicts."""
+def read_text_file(path, what: str, max_bytes: int, shown=None) -> str:
+    """Return the UTF-8 text of the regular file at `path`, at most `max_bytes` long.
+
+    Faults raise ForfaitError naming the file as `shown` (default: `path` as given): a
+    missing or unreadable path, a folder, a pipe or device (opened without blocking, never
+    read), a file over `max_bytes` (checked before reading), UTF-16, binary or non-UTF-8 text.
+    """
+    shown = printable(path if shown is None else shown)
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError:
-        raise CardError(f"{path}, line 1: not UTF-8 text") from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except ValueError:
+        raise ForfaitError(f"{shown}: cannot read the {what} (the path holds a NUL character)") from None
     except OSError as exc:
-        raise CardError(f"{path}: cannot read the rate card ({exc.strerror or exc})") from None
-    return parse_card(text, str(path))
+        raise ForfaitError(f"{shown}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd)
+        if stat.S_ISDIR(mode.st_mode):
+            raise ForfaitError(f"{shown}: is a folder, not a {what} file")
+        if not stat.S_ISREG(mode.st_mode):
+            raise ForfaitError(f"{shown}: is not a regular file (a pipe, socket or device); "
+                               f"give the {what} as a file")
+        if mode.st_size > max_bytes:
+            raise ForfaitError(f"{shown}: is {mode.st_size} bytes, over the {max_bytes}-byte "
+                               f"limit for a {what}")
+        chunks, size = [], 0
+        while size <= max_bytes:  # never more than max_bytes + 1, even if the file grows
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ForfaitError(f"{shown}: cannot read the {what} ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:  # the file grew after fstat
+        raise ForfaitError(f"{shown}: is over the {max_bytes}-byte limit for a {what}")
+    return _decode(data, shown, what)
+
+
+def _decode(data: bytes, shown: str, what: str) -> str:
+    """Return `data` decoded as UTF-8 (BOM allowed); refuse UTF-16 and binary data."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ForfaitError(f"{shown}, line 1: the {what} is UTF-16 text; save it as UTF-8")
+    if b"\x00" in data:
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise ForfaitError(f"{shown}, line {line}: binary data (a NUL byte), not a CSV {what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ForfaitError(f"{shown}, line {line}: not UTF-8 text (byte {exc.start})") from None
+
+
+def load_card(path, shown=None) -> list:
+    """Read and validate the rate card at `path`; return its rows as typed dicts.
+
+    Errors name the file as `shown` (default: `path` as given)."""
+    shown = printable(path if shown is None else shown)
+    try:
+        text = read_text_file(path, "rate card", MAX_CARD_BYTES, shown)
+    except CardError:
+        raise
+    except ForfaitError as exc:
+        raise CardError(str(exc)) from None
+    return parse_card(text, shown)
+
+
+def _relative_to_cwd(path: Path) -> Path:
+    """Return `path` relative to the current folder (as it is shown), or as is if impossible."""
+    try:
+        return Path(os.path.relpath(path))
+    except (ValueError, OSError):  # another drive, or the current folder was deleted
+        return path
 
 
 def default_card_path() -> Path:
-    """Find the card next to this file (kit), else in ../data (repository); cwd in a notebook."""
+    """Find the card next to this file (kit), else in ../data (repository); cwd in a notebook.
+
+    The path returned is relative to the current folder, so that it prints as such."""
     here = globals().get("__file__")
     base = Path(here).resolve().parent if here else Path.cwd()
     candidates = (base / CARD_NAME, (base / REPO_CARD_FOLDER / CARD_NAME).resolve())
     for candidate in candidates:
         if candidate.is_file():
-            return candidate
-    raise ForfaitError(f"no rate card found at {' or '.join(map(str, candidates))}; "
-                       f"give one with --tariffs PATH")
+            return _relative_to_cwd(candidate)
+    shown = " or ".join(printable(_relative_to_cwd(c)) for c in candidates)
+    raise ForfaitError(f"no rate card found at {shown}; give one with --tariffs PATH")
 
 
 def unit_cost_cents(total_price_cents: int, accepted_results: int) -> int:
@@ -182,17 +311,19 @@ def unit_cost_cents(total_price_cents: int, accepted_results: int) -> int:
         return int(exact.quantize(WHOLE_CENT, rounding=ROUND_HALF_UP))
 
 
-def _require_count(name: str, value) -> None:
-    """Raise ForfaitError unless `value` is an int of at least 1."""
+def _require_count(name: str, value, maximum=None) -> None:
+    """Raise ForfaitError unless `value` is an int of at least 1 (and at most `maximum`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ForfaitError(f"{name} must be a whole number of at least 1, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ForfaitError(f"{name} {value} is over the limit of {maximum}")
 
 
 def find_row(rows: list, gpu: str, days: int) -> dict:
     """Return the card row for (`gpu`, `days`); ForfaitError lists the valid choices."""
     models = sorted({row["model_id"] for row in rows})
     if gpu not in models:
-        raise ForfaitError(f"unknown GPU model {gpu!r}; valid choices: {', '.join(models)}")
+        raise ForfaitError(f"unknown GPU model {_quoted(gpu)}; valid choices: {', '.join(models)}")
     for row in rows:
         if row["model_id"] == gpu and row["duration_days"] == days:
             return row
@@ -210,7 +341,9 @@ def compute_forfait(rows: list, gpu: str, days: int, lots: int = 1,
                     accepted_results=None) -> dict:
     """Return the price of `lots` lots of `gpu` for `days` days, and the unit cost if asked."""
     row = find_row(rows, str(gpu).strip().lower(), days)
-    _require_count("lots", lots)
+    _require_count("lots", lots, MAX_LOTS)
+    if accepted_results is not None:
+        _require_count("accepted_results", accepted_results, MAX_ACCEPTED_RESULTS)
     total = row["lot_price_cents"] * lots
     unit = None if accepted_results is None else unit_cost_cents(total, accepted_results)
     return {
@@ -231,31 +364,80 @@ def format_cents(cents: int) -> str:
     return f"{cents // CENTS_PER_UNIT}.{cents % CENTS_PER_UNIT:02d}"
 
 
+def format_money(cents: int, currency: str) -> str:
+    """Return whole cents as money with the cents beside, e.g. '1,697.07 USD (169707 cents)'."""
+    return f"{cents // CENTS_PER_UNIT:,}.{cents % CENTS_PER_UNIT:02d} {currency} ({cents} cents)"
+
+
 def gpu_day_price(row: dict) -> Decimal:
     """Return the row's price per GPU-day in currency units, rounded half up to the cent."""
-    per_gpu_day = Decimal(row["lot_price_cents"]) / (row["gpus_per_lot"] * row["duration_days"])
-    return (per_gpu_day / CENTS_PER_UNIT).quantize(HUNDREDTH, rounding=ROUND_HALF_UP)
+    with localcontext() as context:
+        context.prec = len(str(row["lot_price_cents"])) + GUARD_DIGITS
+        per_gpu_day = Decimal(row["lot_price_cents"]) / (row["gpus_per_lot"] * row["duration_days"])
+        return (per_gpu_day / CENTS_PER_UNIT).quantize(HUNDREDTH, rounding=ROUND_HALF_UP)
+
+
+def card_table(rows: list) -> list:
+    """Return the card's rows as dicts with the price per GPU-day added.
+
+    Each dict holds the card's columns (names unchanged: `memory_per_gpu_gib` is the vendor's
+    published "GB" figure) plus `gpu_day_price` (Decimal, currency units, half up to the cent).
+    """
+    return [{**row, "gpu_day_price": gpu_day_price(row)} for row in rows]
+
+
+def _aligned(table: list, right: set) -> list:
+    """Return the rows of `table` (lists of str) as lines of aligned columns."""
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+            for line in table]
+
+
+def _notice(rows: list) -> str:
+    """Return the notice, with the illustrative sentence when any row's provenance says so."""
+    return NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else "")
 
 
 def format_card(rows: list, source: str = CARD_NAME) -> str:
     """Return the card as a readable text table, with its notice."""
-    titles = ("model", "name", "GPUs/lot", "GiB/GPU", "days", "lot price", "per GPU-day",
+    titles = ("model", "name", "GPUs/lot", MEMORY_TITLE, "days", "lot price", "per GPU-day",
               "currency")
     table = [titles] + [
         (row["model_id"], row["display_name"], str(row["gpus_per_lot"]),
          str(row["memory_per_gpu_gib"]), str(row["duration_days"]),
-         format_cents(row["lot_price_cents"]), str(gpu_day_price(row)), row["currency"])
-        for row in rows
+         format_cents(row["lot_price_cents"]), str(row["gpu_day_price"]), row["currency"])
+        for row in card_table(rows)
     ]
-    widths = [max(len(line[i]) for line in table) for i in range(len(titles))]
-    numeric = {2, 3, 4, 5, 6}
-    lines = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in table]
     dates = _join(sorted({row["snapshot_date"] for row in rows}))
     provenances = sorted({row["provenance"] for row in rows})
-    notice = NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else "")
-    return "\n".join([f"Rate card {source} (snapshot {dates})", *lines, "",
-                      *(f"Provenance: {text}" for text in provenances), notice])
+    return "\n".join([f"Rate card {printable(source)} (snapshot {dates})",
+                      *_aligned([[printable(c) for c in line] for line in table],
+                                {2, 3, 4, 5, 6}),
+                      "", *(f"Provenance: {printable(text)}" for text in provenances),
+                      _notice(rows)])
+
+
+def format_forfait(result: dict) -> str:
+    """Return a compute_forfait result (with `tariffs`) as aligned lines for people."""
+    currency = result["currency"]
+    unit = ("n/a (give --accepted-results N)" if result["unit_cost_cents"] is None else
+            f"{format_money(result['unit_cost_cents'], currency)} per accepted result")
+    accepted = "n/a" if result["accepted_results"] is None else f"{result['accepted_results']:,}"
+    pairs = [
+        ("GPU model", f"{result['gpu']} ({result['display_name']})"),
+        ("forfait", f"{result['days']} days x {result['lots']:,} lots of "
+                    f"{result['gpus_per_lot']} GPU = {result['gpus']:,} GPUs"),
+        (MEMORY_TITLE, str(result["memory_per_gpu_gib"])),
+        ("lot price", format_money(result["lot_price_cents"], currency)),
+        ("total price", format_money(result["total_price_cents"], currency)),
+        ("accepted results", accepted),
+        ("unit cost", unit),
+        ("rate card", f"{result.get('tariffs', '')} (snapshot {result['snapshot_date']})"),
+    ]
+    lines = _aligned([[label, printable(value)] for label, value in pairs], set())
+    return "\n".join([*lines, f"Assumptions: {ASSUMPTIONS}.",
+                      f"Notice: {printable(result['notice'])}"])
 
 
 def _join(values) -> str:
@@ -263,12 +445,27 @@ def _join(values) -> str:
     return ", ".join(str(value) for value in values)
 
 
-def _count_argument(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    value = _positive_int(text.strip())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
+def _count_argument(name: str, maximum: int):
+    """Return an argparse type: a whole number from 1 to `maximum`, ASCII digits only."""
+    def parse(text: str) -> int:
+        try:
+            return _whole_number(text, "", 1, maximum)
+        except ForfaitError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = name
+    return parse
+
+
+def _days_argument(text: str) -> int:
+    """argparse type: 3, 7 or 30, ASCII digits only."""
+    expected = f"expected one of {_join(DURATIONS_DAYS)}"
+    try:
+        days = _whole_number(text, "", 0, 99)
+    except ForfaitError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; {expected}") from None
+    if days not in DURATIONS_DAYS:
+        raise argparse.ArgumentTypeError(f"{days} is not a forfait duration; {expected}")
+    return days
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -276,46 +473,58 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         """Print one error line and exit with status 2."""
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+        message = printable(" ".join(message.split()))
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", help="GPU model id from the card, e.g. b200 (see --list)")
-    parser.add_argument("--days", type=int,
+    parser.add_argument("--days", type=_days_argument,
                         help=f"forfait duration in days: {_join(DURATIONS_DAYS)}")
-    parser.add_argument("--lots", type=_count_argument, default=1,
-                        help="number of lots rented (default 1); a b200 lot holds 2 GPUs, others 1")
-    parser.add_argument("--accepted-results", type=_count_argument, metavar="N",
-                        help="distinct results accepted over the whole forfait; gives the cost "
-                             "per accepted result (no default: without it the unit cost is null)")
+    parser.add_argument("--lots", type=_count_argument("lots", MAX_LOTS), default=1,
+                        help=f"number of lots rented, 1 to {MAX_LOTS} (default 1); "
+                             "a b200 lot holds 2 GPUs, others 1")
+    parser.add_argument("--accepted-results", type=_count_argument("count", MAX_ACCEPTED_RESULTS),
+                        metavar="N",
+                        help="distinct results accepted over the whole forfait, 1 to 10^15; "
+                             "gives the cost per accepted result (no default: without it the "
+                             "unit cost is null)")
     parser.add_argument("--tariffs", metavar="PATH",
                         help=f"rate card CSV (default: {CARD_NAME} next to this script, "
-                             f"else ../data/{CARD_NAME})")
+                             f"else ../data/{CARD_NAME} from it; shown relative to the "
+                             "current folder)")
+    parser.add_argument("--format", choices=FORMATS, default="json",
+                        help="json (default): one JSON object for programs; table: aligned "
+                             "lines for people, amounts with their cents beside")
     parser.add_argument("--list", action="store_true",
-                        help="print the rate card as a table and exit")
+                        help="print the rate card as a table, with the price per GPU-day, "
+                             "and exit")
     return parser
 
 
 def main(argv=None) -> int:
-    """Print the forfait as JSON (the card with --list); return the exit status."""
+    """Print the forfait as JSON or a table (the card with --list); return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.list and (args.gpu is None or args.days is None):
         parser.error("--gpu and --days are required unless --list is given")
+    if args.tariffs == "":
+        parser.error("argument --tariffs: the path is empty")
     try:
-        card_path = Path(args.tariffs) if args.tariffs else default_card_path()
-        rows = load_card(card_path)
+        card_path = Path(args.tariffs) if args.tariffs is not None else default_card_path()
+        shown = args.tariffs if args.tariffs is not None else str(card_path)
+        rows = load_card(card_path, shown)
         if args.list:
-            print(format_card(rows, str(card_path)))
+            print(format_card(rows, shown))
             return EXIT_OK
         result = compute_forfait(rows, args.gpu, args.days, args.lots, args.accepted_results)
     except ForfaitError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    result["tariffs"] = str(card_path)
-    print(json.dumps(result, indent=2))
+    result["tariffs"] = printable(shown)
+    print(format_forfait(result) if args.format == "table" else json.dumps(result, indent=2))
     return EXIT_OK
 
 
