@@ -2,75 +2,94 @@
 
     python -m lab_helpers.grid check data/resultats-bruts.csv [--tariffs CARD]
     python -m lab_helpers.grid report data/resultats-bruts.csv [--tariffs CARD]
+        [--format table|json] [--csv OUT]
 
 One grid row is one real pass: the work run under one rented forfait (see
 data/protocole-qualite.md). Prices and unit costs come from calcul_forfaits, so the
 grid and the calculator always agree to the cent.
 """
-import argparse
 import csv
 import io
+import json
 import sys
-from datetime import date
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 
-from lab_helpers import calcul_forfaits as calc
+# >>> library only
+# a notebook that inlines this file defines these names in its earlier generated cells
+from lab_helpers.calcul_forfaits import (
+    CARD_NAME, DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, MAX_LOTS, NOTICE,
+    UNIT_COST_ROUNDING, ForfaitError, compute_forfait, csv_rows, default_card_path, format_cents,
+    is_illustrative, is_iso_date, load_card, printable, read_text_file, unit_cost_cents,
+)
+from lab_helpers.mesure_memoire import (
+    EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, parse_decimal, parse_whole,
+    write_new_text,
+)
+# <<< library only
 
-PROG = "grid"
+GRID_PROG = "grid"
 GRID_COLUMNS = (
     "date", "gpu_model", "forfait_days", "forfait_lots", "device", "torch_version",
     "measurement_file", "task", "acceptance_threshold", "units_produced", "units_accepted",
     "wall_seconds", "notes",
 )
 OPTIONAL_COLUMNS = ("measurement_file", "notes")
-TEXT_COLUMNS = ("device", "torch_version", "task", "acceptance_threshold")
-EXIT_OK = 0
-EXIT_USAGE = 2
+# The grid is read whole, so its size is bounded before reading: a row is ~150 bytes, so
+# this leaves room for ~100 000 passes.
+MAX_GRID_BYTES = 16 * 1024 * 1024
+MAX_UNITS = MAX_ACCEPTED_RESULTS
+MAX_WALL_SECONDS = 10**9  # about 31 years: longer than any forfait
 SECONDS_DECIMALS = 2
 NOT_AVAILABLE = "n/a"
+REPORT_FORMATS = ("table", "json")
+# Per-pass columns of `report --csv`, in order.
+REPORT_CSV_COLUMNS = (
+    "line", "date", "task", "gpu_model", "days", "lots", "gpus", "total_price_cents",
+    "units_accepted", "unit_cost_cents", "wall_seconds", "seconds_per_accepted_unit",
+)
 
 
 class GridError(Exception):
     """A fault in the results grid, named by file and line."""
 
 
-def _whole(text: str, column: str, where: str, minimum: int) -> int:
-    """Return `text` as an int of at least `minimum`, else raise GridError."""
-    if not (text.isascii() and text.isdigit()) or int(text) < minimum:
-        raise GridError(f"{where}: {column} {text!r} is not a whole number of at least {minimum}")
-    return int(text)
+def _grid_number(parse, text: str, column: str, where: str, minimum, maximum):
+    """Return parse(text) under the lab's one number rule; faults name file, line and column."""
+    try:
+        return parse(text, column, minimum, maximum)
+    except LabError as exc:
+        raise GridError(f"{where}: {printable(exc)}") from None
 
 
-def _check_row(record: dict, card: list, where: str) -> dict:
+def _check_grid_row(record: dict, card: list, where: str) -> dict:
     """Validate one grid row (fields as text) against the card and return it typed."""
     row = dict(record)
     for column in GRID_COLUMNS:
-        if column not in OPTIONAL_COLUMNS and not row[column]:
+        if column not in OPTIONAL_COLUMNS and not row[column].strip():
             raise GridError(f"{where}: {column} is empty")
-    try:
-        date.fromisoformat(row["date"])
-    except ValueError:
-        raise GridError(f"{where}: date {row['date']!r} is not a date (YYYY-MM-DD)") from None
-    row["forfait_days"] = _whole(row["forfait_days"], "forfait_days", where, 1)
-    row["forfait_lots"] = _whole(row["forfait_lots"], "forfait_lots", where, 1)
-    row["units_produced"] = _whole(row["units_produced"], "units_produced", where, 0)
-    row["units_accepted"] = _whole(row["units_accepted"], "units_accepted", where, 0)
+    if not is_iso_date(row["date"]):
+        raise GridError(f"{where}: date {printable(repr(row['date'][:40]))} is not a date "
+                        "(YYYY-MM-DD)")
+    row["forfait_days"] = _grid_number(parse_whole, row["forfait_days"], "forfait_days", where,
+                                       1, max(DURATIONS_DAYS))
+    row["forfait_lots"] = _grid_number(parse_whole, row["forfait_lots"], "forfait_lots", where,
+                                       1, MAX_LOTS)
+    for column in ("units_produced", "units_accepted"):
+        row[column] = _grid_number(parse_whole, row[column], column, where, 0, MAX_UNITS)
     if row["units_accepted"] > row["units_produced"]:
         raise GridError(f"{where}: units_accepted {row['units_accepted']} exceeds "
                         f"units_produced {row['units_produced']}")
+    seconds = _grid_number(parse_decimal, row["wall_seconds"], "wall_seconds", where,
+                           0, MAX_WALL_SECONDS)
+    if seconds <= 0:
+        raise GridError(f"{where}: wall_seconds {row['wall_seconds']} is not a positive number")
+    row["wall_seconds"] = Decimal(row["wall_seconds"])  # exact: the text is digits and one '.'
     try:
-        seconds = Decimal(row["wall_seconds"])
-    except InvalidOperation:
-        seconds = None
-    if seconds is None or not seconds.is_finite() or seconds <= 0:
-        raise GridError(f"{where}: wall_seconds {row['wall_seconds']!r} is not a positive number")
-    row["wall_seconds"] = seconds
-    try:
-        forfait = calc.compute_forfait(card, row["gpu_model"], row["forfait_days"],
-                                       row["forfait_lots"])
-    except calc.ForfaitError as exc:
-        raise GridError(f"{where}: {exc}") from None
+        forfait = compute_forfait(card, row["gpu_model"], row["forfait_days"],
+                                  row["forfait_lots"])
+    except ForfaitError as exc:
+        raise GridError(f"{where}: {printable(exc)}") from None
     row["gpu_model"] = forfait["gpu"]
     return row
 
@@ -79,37 +98,42 @@ def parse_grid(text: str, card: list, source: str) -> list:
     """Validate results grid CSV text against the card; return typed rows, each with its line."""
     reader = csv.reader(io.StringIO(text, newline=""))
     header, rows, thresholds = None, [], {}
-    for fields in calc.csv_rows(reader, source):
-        where = f"{source}, line {reader.line_num}"
-        if header is None:
-            if sorted(fields) != sorted(GRID_COLUMNS):
-                raise GridError(f"{where}: wrong header; expected: {','.join(GRID_COLUMNS)}")
-            header = fields
-            continue
-        if len(fields) != len(header):
-            raise GridError(f"{where}: expected {len(header)} fields, found {len(fields)}")
-        row = _check_row(dict(zip(header, fields)), card, where)
-        line, threshold = thresholds.setdefault(row["task"], (reader.line_num,
-                                                              row["acceptance_threshold"]))
-        if row["acceptance_threshold"] != threshold:
-            raise GridError(f"{where}: task {row['task']!r} has threshold "
-                            f"{row['acceptance_threshold']!r}, but {threshold!r} at line "
-                            f"{line}: fix the threshold before the test, not per pass")
-        rows.append({"line": reader.line_num, **row})
+    try:
+        for fields in csv_rows(reader, source):
+            where = f"{source}, line {reader.line_num}"
+            if header is None:
+                if sorted(fields) != sorted(GRID_COLUMNS):
+                    raise GridError(f"{where}: wrong header; expected: {','.join(GRID_COLUMNS)}")
+                header = fields
+                continue
+            if len(fields) != len(header):
+                raise GridError(f"{where}: expected {len(header)} fields, found {len(fields)}")
+            row = _check_grid_row(dict(zip(header, fields)), card, where)
+            line, threshold = thresholds.setdefault(row["task"], (reader.line_num,
+                                                                  row["acceptance_threshold"]))
+            if row["acceptance_threshold"] != threshold:
+                raise GridError(f"{where}: task {row['task'][:40]!r} has threshold "
+                                f"{row['acceptance_threshold'][:40]!r}, but {threshold[:40]!r} at "
+                                f"line {line}: fix the threshold before the test, not per pass")
+            rows.append({"line": reader.line_num, **row})
+    except ForfaitError as exc:  # a CSV syntax fault, named by file and line
+        raise GridError(str(exc)) from None
     if header is None:
         raise GridError(f"{source}, line 1: file is empty (expected the header)")
     return rows
 
 
-def load_grid(path, card: list) -> list:
-    """Read and validate the results grid at `path` against the card rows."""
+def load_grid(path, card: list, shown=None) -> list:
+    """Read and validate the results grid at `path` against the card rows.
+
+    Errors name the file as `shown` (default: `path` as given); the file must be a regular
+    UTF-8 file of at most MAX_GRID_BYTES."""
+    shown = printable(path if shown is None else shown)
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError:
-        raise GridError(f"{path}, line 1: not UTF-8 text") from None
-    except OSError as exc:
-        raise GridError(f"{path}: cannot read the grid ({exc.strerror or exc})") from None
-    return parse_grid(text, card, str(path))
+        text = read_text_file(path, "results grid", MAX_GRID_BYTES, shown)
+    except ForfaitError as exc:
+        raise GridError(str(exc)) from None
+    return parse_grid(text, card, shown)
 
 
 def _seconds_per_unit(seconds: Decimal, units: int):
@@ -122,8 +146,8 @@ def row_costs(rows: list, card: list) -> list:
     costs = []
     for row in rows:
         accepted = row["units_accepted"] or None
-        forfait = calc.compute_forfait(card, row["gpu_model"], row["forfait_days"],
-                                       row["forfait_lots"], accepted)
+        forfait = compute_forfait(card, row["gpu_model"], row["forfait_days"],
+                                  row["forfait_lots"], accepted)
         costs.append({
             "line": row["line"], "date": row["date"], "task": row["task"],
             "gpu_model": forfait["gpu"], "days": forfait["days"], "lots": forfait["lots"],
@@ -149,7 +173,7 @@ def model_costs(costs: list) -> list:
     summary = []
     for group in groups.values():
         accepted = group["units_accepted"]
-        group["unit_cost_cents"] = (calc.unit_cost_cents(group["total_price_cents"], accepted)
+        group["unit_cost_cents"] = (unit_cost_cents(group["total_price_cents"], accepted)
                                     if accepted else None)
         group["seconds_per_accepted_unit"] = _seconds_per_unit(group["wall_seconds"], accepted)
         summary.append(group)
@@ -157,17 +181,38 @@ def model_costs(costs: list) -> list:
                                           g["unit_cost_cents"] or 0, g["gpu_model"]))
 
 
-def _table(records: list, currency: str) -> str:
+def grid_report(grid_path, card_path=None) -> dict:
+    """Check the grid at `grid_path` against the card and return its costs.
+
+    `card_path` None takes the default card. Returns a dict: `grid` and `tariffs` (the paths
+    as shown: as given, the default card relative to the current folder), `currency`,
+    `rounding`, `notice`, `rows` (row_costs: one dict per pass) and `models` (model_costs:
+    one dict per task and GPU model). Raises GridError or ForfaitError on a fault."""
+    if card_path is None:
+        card_path = default_card_path()
+    card = load_card(card_path)
+    rows = load_grid(grid_path, card)
+    costs = row_costs(rows, card)
+    return {
+        "grid": printable(grid_path), "tariffs": printable(card_path),
+        "currency": card[0]["currency"], "rounding": UNIT_COST_ROUNDING,
+        "notice": NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, card)) else ""),
+        "rows": costs, "models": model_costs(costs),
+    }
+
+
+def _report_table(records: list, currency: str) -> str:
     """Return records as a pandas text table, unit costs also in currency units."""
     import pandas as pd
 
     frame = pd.DataFrame(records, dtype=object)
     cents = frame.pop("unit_cost_cents")
+    frame["task"] = frame["task"].map(printable)
     frame["wall_seconds"] = frame["wall_seconds"].map(float)
     frame["seconds_per_accepted_unit"] = frame["seconds_per_accepted_unit"].map(_or_na)
     frame["unit_cost_cents"] = cents.map(_or_na)
     frame[f"unit_cost_{currency.lower()}"] = cents.map(
-        lambda value: NOT_AVAILABLE if value is None else calc.format_cents(value))
+        lambda value: NOT_AVAILABLE if value is None else format_cents(value))
     return frame.to_string(index=False)
 
 
@@ -176,65 +221,86 @@ def _or_na(value):
     return NOT_AVAILABLE if value is None else value
 
 
-def report_text(rows: list, card: list, grid_name: str, card_name: str) -> str:
-    """Return the report: cost per accepted unit per pass, then per task and GPU model."""
-    if not rows:
-        return f"{grid_name}: no data rows: nothing to report yet (fill one row per real pass)"
-    costs = row_costs(rows, card)
-    currency = card[0]["currency"]
-    notice = calc.NOTICE + (calc.ILLUSTRATIVE_NOTICE if any(map(calc.is_illustrative, card))
-                            else "")
+def report_text(report: dict) -> str:
+    """Return grid_report's result for people: per pass, then per task and GPU model."""
+    if not report["rows"]:
+        return (f"{report['grid']}: no data rows: nothing to report yet "
+                "(fill one row per real pass)")
+    currency = report["currency"]
     return "\n".join([
-        f"Results grid {grid_name}, rate card {card_name}; "
+        f"Results grid {report['grid']}, rate card {report['tariffs']}; "
         f"amounts in {currency} cents, unit_cost_{currency.lower()} in {currency}.",
-        f"Rounding: {calc.UNIT_COST_ROUNDING}.",
+        f"Rounding: {report['rounding']}.",
         "", "Per pass (each row is charged the whole price of its forfait):",
-        _table(costs, currency),
+        _report_table(report["rows"], currency),
         "", "Per task and GPU model (summed prices / summed accepted units):",
-        _table(model_costs(costs), currency), "", notice,
+        _report_table(report["models"], currency), "", report["notice"],
     ])
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr, exit status 2."""
+def _json_ready(value):
+    """Return `value` with Decimal seconds as JSON numbers."""
+    if isinstance(value, dict):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_ready(item) for item in value]
+    return float(value) if isinstance(value, Decimal) else value
 
-    def error(self, message):
-        """Print one error line and exit with status 2."""
-        self.exit(EXIT_USAGE, f"{PROG}: error: {' '.join(message.split())} (see --help)\n")
+
+def report_csv(report: dict) -> str:
+    """Return the per-pass costs as CSV text (text cells neutralised against formulas)."""
+    rows = [[_json_ready(cost[column]) for column in REPORT_CSV_COLUMNS]
+            for cost in report["rows"]]
+    return csv_text(REPORT_CSV_COLUMNS, rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
     """Return the command-line parser."""
-    parser = _OneLineParser(prog=f"python -m lab_helpers.{PROG}",
-                            description=__doc__.splitlines()[0])
+    parser = CommandParser(prog=f"python -m lab_helpers.{GRID_PROG}",
+                           description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{check,report}")
     for name, text in (("check", "validate a filled grid (types, units, model and duration, "
                                  "threshold); exit 2 naming file and line on a fault"),
                        ("report", "check the grid, then print the cost per accepted unit per "
-                                  "pass and per GPU model")):
+                                  "pass and per task and GPU model")):
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument("grid", metavar="PATH", help="results grid CSV, e.g. "
                              "data/resultats-bruts.csv")
         command.add_argument("--tariffs", metavar="CARD", help="rate card CSV (default: "
-                             f"data/{calc.CARD_NAME})")
+                             f"data/{CARD_NAME}, shown relative to the current folder)")
+    report = commands.choices["report"]
+    report.add_argument("--format", choices=REPORT_FORMATS, default="table",
+                        help="table (default): text tables for people; json: one JSON object "
+                             "for programs (rows, models, grid, tariffs, currency, notice)")
+    report.add_argument("--csv", metavar="OUT",
+                        help="also write the per-pass costs to the new CSV file OUT (refused if "
+                             "it exists; written whole or not at all)")
     return parser
 
 
 def main(argv=None) -> int:
     """Run `check` or `report`; return the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("PATH", args.grid), ("--tariffs", args.tariffs),
+                        ("--csv", getattr(args, "csv", None))):
+        if value == "":
+            parser.error(f"argument {flag}: the path is empty")
     try:
-        card_path = Path(args.tariffs) if args.tariffs else calc.default_card_path()
-        card = calc.load_card(card_path)
-        rows = load_grid(args.grid, card)
-    except (GridError, calc.ForfaitError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        report = grid_report(args.grid, args.tariffs)
+        if args.command == "report" and args.csv is not None:
+            write_new_text(args.csv, report_csv(report))
+    except (GridError, ForfaitError, LabError) as exc:
+        print(f"{GRID_PROG}: error: {printable(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "check":
+        rows = len(report["rows"])
         state = "header only, nothing to check yet" if not rows else "all valid"
-        print(f"{args.grid}: {len(rows)} rows ({state}; rate card {card_path})")
+        print(f"{report['grid']}: {rows} rows ({state}; rate card {report['tariffs']})")
+    elif args.format == "json":
+        print(json.dumps(_json_ready(report), indent=2))
     else:
-        print(report_text(rows, card, args.grid, str(card_path)))
+        print(report_text(report))
     return EXIT_OK
 
 
