@@ -7,8 +7,11 @@ estimate|environment|measure|predict|compare ...``) or as
 ``python -m lab_helpers.mesure_memoire ...``.
 """
 import argparse
+import csv
+import io
 import json
 import math
+import numbers
 import os
 import platform
 import re
@@ -38,7 +41,7 @@ DEFAULT_WORKSPACE_SOURCE = "measured default: torch 2.11.0+cu130 on NVIDIA H200 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PHASES = ("model_load", "inputs", "cold_forward", "warmup", "warm_forward")
 COUNTERS = ("allocated", "reserved")
-EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3  # EXIT_FAILURE (1) is defined with the public API below
 ESTIMATE_EXCLUDES = (
     "activations", "KV cache", "quantization metadata (scales, zero points)",
     "gradients", "optimizer states", "CUDA context and libraries (cuBLAS, cuDNN, kernels)",
@@ -60,6 +63,586 @@ class PhaseError(Exception):
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
         self.phase = phase
+
+
+# -------------------------------------------------------------- public API
+# Shared by every command of the lab (runs, sweep, grid, kit import these names).
+EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
+MAX_DIGITS = 1000  # checked before int(): Python refuses over 4300 digits, and slowly
+MAX_MEASUREMENT_FILE_BYTES = 64 * 2**20  # a real measurement file is a few KiB
+MAX_JSON_DEPTH = 32  # a measurement nests 4 levels deep; more is not a measurement
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() and \d accept other scripts' digits
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that reports every usage error as one line `prog: error: msg` and exit code 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _whole_problem(text, minimum, maximum):
+    """Return (value, None) for a valid whole number, else (None, what is wrong)."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        return None, f"must be a whole number, got {type(text).__name__}"
+    if isinstance(text, str):
+        if len(text) > MAX_DIGITS:
+            return None, f"has {len(text)} characters; at most {MAX_DIGITS} digits are accepted"
+        if not _DIGITS.fullmatch(text):
+            return None, f"not an integer: {text[:40]!r} (a whole number, digits 0-9 only)"
+        value = int(text)
+    else:
+        value = text
+    if minimum is not None and value < minimum:
+        return None, f"must be > 0, got {value}" if minimum == 1 else f"must be >= {minimum}, got {value}"
+    if maximum is not None and value > maximum:
+        shown = str(value) if value < 10**40 else f"a {len(str(value))}-digit number"
+        return None, f"must be at most {maximum}, got {shown}"
+    return value, None
+
+
+def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
+    """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
+    within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
+    before conversion, so a huge string is refused at once."""
+    value, problem = _whole_problem(text, minimum, maximum)
+    if problem:
+        raise LabError(f"{name} {problem}")
+    return value
+
+
+def whole_number(minimum=None, maximum=None):
+    """Return an argparse `type=` callable that accepts what parse_whole accepts."""
+    def convert(text):
+        value, problem = _whole_problem(text, minimum, maximum)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    convert.__name__ = "whole number"
+    return convert
+
+
+def _decimal_problem(text, minimum, maximum):
+    if not isinstance(text, str):
+        return None, f"must be a number, got {type(text).__name__}"
+    if len(text) > MAX_DIGITS:
+        return None, f"has {len(text)} characters; at most {MAX_DIGITS} are accepted"
+    if not _DECIMAL.fullmatch(text):
+        return None, f"must be a decimal number written with the digits 0-9 and '.', got {text[:40]!r}"
+    value = float(text)
+    if not math.isfinite(value):
+        return None, f"must be finite, got {text[:40]!r}"
+    if minimum is not None and value < minimum:
+        return None, f"must be at least {minimum}, got {value}"
+    if maximum is not None and value > maximum:
+        return None, f"must be at most {maximum}, got {value}"
+    return value, None
+
+
+def parse_decimal(text, name: str, minimum=None, maximum=None) -> float:
+    """Return the finite, non-negative number written in `text` (ASCII digits and one '.', no sign,
+    no exponent, no nan/inf), within [minimum, maximum]; raise LabError naming `name` otherwise."""
+    value, problem = _decimal_problem(text, minimum, maximum)
+    if problem:
+        raise LabError(f"{name} {problem}")
+    return value
+
+
+def decimal_number(minimum=None, maximum=None):
+    """Return an argparse `type=` callable that accepts what parse_decimal accepts."""
+    def convert(text):
+        value, problem = _decimal_problem(text, minimum, maximum)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    convert.__name__ = "number"
+    return convert
+
+
+def display_path(path) -> str:
+    """The path as the user gave it if relative; relative to the cwd when it lies under it."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        return text
+    try:
+        relative = os.path.relpath(text)
+    except ValueError:  # another drive on Windows
+        return text
+    return text if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+
+
+def _os_problem(exc: OSError) -> str:
+    import errno
+    reasons = {errno.ENOENT: "its folder does not exist", errno.ENOTDIR: "a parent is not a folder",
+               errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "read-only file system", errno.ENAMETOOLONG: "file name too long",
+               errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EISDIR: "it is a folder", errno.ELOOP: "too many symbolic links"}
+    return reasons.get(exc.errno, os.strerror(exc.errno) if exc.errno else type(exc).__name__)
+
+
+def _output_error(shown: str, exc: OSError) -> LabError:
+    import errno
+    if exc.errno == errno.EEXIST:
+        return LabError(f"{shown} already exists; choose a new file name")
+    return LabError(f"cannot write {shown}: {_os_problem(exc)}")
+
+
+def _file_mode() -> int:
+    """0o666 minus the umask: the mode the user's tools give a new file."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # reads the umask without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
+def _link_unnamed(folder: str, name: str, data: bytes):
+    """Write `data` into an unnamed file of `folder`, then give it `name` exclusively; a process
+    killed before the link leaves nothing behind. Return False where unnamed files are refused."""
+    import errno
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return False
+    try:
+        fd = os.open(folder, flag | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o666)  # umask applies
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return False  # an old kernel or a file system without O_TMPFILE
+        raise
+    try:
+        _write_all(fd, data)
+        folder_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            # a dir fd makes os.link call linkat(AT_SYMLINK_FOLLOW): it links the file the /proc
+            # entry points to, and fails with EEXIST if the name is taken
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder_fd, follow_symlinks=True)
+        finally:
+            os.close(folder_fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _link_named(folder: str, name: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name[:100]}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, _file_mode())
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.link(tmp, os.path.join(folder, name))  # atomic and exclusive
+    finally:
+        os.unlink(tmp)
+
+
+def _write_new_bytes(path, data: bytes) -> None:
+    shown = display_path(path)
+    text = os.fspath(path)
+    folder, name = os.path.split(text)
+    folder = folder or os.curdir
+    try:
+        if not name or name in (os.curdir, os.pardir):
+            raise IsADirectoryError(21, "is a folder")
+        if os.path.lexists(text):
+            raise FileExistsError(17, "exists")
+        if not _link_unnamed(folder, name, data):
+            _link_named(folder, name, data)
+    except OSError as exc:
+        raise _output_error(shown, exc) from None
+
+
+def write_new_text(path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` whole or not at all; refuse if `path` exists. The file gets the
+    user's usual mode; any OS error is a LabError naming `path` as given."""
+    _write_new_bytes(path, text.encode("utf-8"))
+
+
+def _json_text(document, shown: str) -> str:
+    try:
+        return json.dumps(document, indent=2, allow_nan=False) + "\n"
+    except ValueError:  # NaN or an infinity: not JSON, and not a measurement
+        raise LabError(f"{shown}: refusing to write a number that is not finite (NaN or infinity)") from None
+
+
+def write_new_json(path, document) -> None:
+    """Write `document` as JSON to `path` whole or not at all; refuse if `path` exists or if the
+    document holds NaN or an infinity."""
+    write_new_text(path, _json_text(document, display_path(path)))
+
+
+def replace_text(path, text: str) -> None:
+    """Replace `path` whole with `text` (temporary file in the same folder, then os.replace): for
+    files rewritten on purpose, never left half-written."""
+    shown = display_path(path)
+    folder, name = os.path.split(os.fspath(path))
+    folder = folder or os.curdir
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name[:100]}.", suffix=".tmp")
+    except OSError as exc:
+        raise _output_error(shown, exc) from None
+    try:
+        try:
+            os.fchmod(fd, _file_mode())
+            _write_all(fd, text.encode("utf-8"))
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.fspath(path))
+    except OSError as exc:
+        os.unlink(tmp)
+        raise _output_error(shown, exc) from None
+
+
+_CSV_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, numbers.Number):
+        if isinstance(value, float) and not math.isfinite(value):
+            return ""  # a missing measurement in pandas, never a number
+        return value
+    text = str(value)
+    # a spreadsheet runs a cell starting with these as a formula (OWASP CSV injection)
+    return "'" + text if text.startswith(_CSV_TRIGGERS) else text
+
+
+def csv_text(header, rows) -> str:
+    """CSV text ('\\n' line ends) of `header` and `rows`: numbers stay numbers, None is empty, and a
+    text cell starting with = + - @ tab or carriage return gets a leading ' so no spreadsheet runs it."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([_csv_cell(cell) for cell in header])
+    for row in rows:
+        writer.writerow([_csv_cell(cell) for cell in row])
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------- measurement files
+MAX_BATCH = 2**20
+MAX_CONTEXT = 2**20
+MAX_WIDTH = 2**20
+MAX_HIDDEN = 2**22
+MAX_PASSES = 10_000  # --warmup and --repeats: each pass is a record or a loop turn
+MAX_SEED = 2**63 - 1
+MAX_NEW_TOKENS = 2**20
+MAX_COUNTER_BYTES = 2**60  # far above any device; keeps byte arithmetic within int64
+MAX_PHASE_RECORDS = 2**20 + 16
+_COUNT = {"type": "integer", "minimum": 1}
+_BYTES = {"$ref": "#/$defs/bytes"}
+# The JSON Schema of a measurement file, written out as measurement.schema.json; read_measurement
+# applies it with the standard library alone (this file ships without jsonschema).
+MEASUREMENT_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "iteragpu-lab/measurement.schema.json",
+    "title": "IteraGPU Lab measurement (synthetic network or transformers model)",
+    "type": "object",
+    "required": ["schema_version", "kind", "environment", "configuration", "phases"],
+    "additionalProperties": False,
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "kind": {"const": "iteragpu-lab measurement"},
+        "environment": {"$ref": "#/$defs/environment"},
+        "configuration": {"type": "object"},
+        "synthetic_model": {"type": "object"},
+        "model": {"type": "object"},
+        "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
+                   "items": {"$ref": "#/$defs/phase"}},
+    },
+    "if": {"properties": {"configuration": {"required": ["kind"],
+                                            "properties": {"kind": {"const": "transformers"}}}}},
+    "then": {"required": ["model"], "properties": {
+        "configuration": {"$ref": "#/$defs/transformers_configuration"},
+        "synthetic_model": False,
+        "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}},
+    }},
+    "else": {"required": ["synthetic_model"], "properties": {
+        "configuration": {"$ref": "#/$defs/synthetic_configuration"},
+        "synthetic_model": {"$ref": "#/$defs/synthetic_model"},
+        "model": False,
+        "phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
+                   "items": {"properties": {"phase": {"enum": list(PHASES)}}}},
+    }},
+    "$defs": {
+        "bytes": {"type": "integer", "minimum": 0, "maximum": MAX_COUNTER_BYTES},
+        "device": {"type": "string", "pattern": "^cuda:[0-9]{1,6}$"},
+        "dtype": {"enum": list(DTYPE_BYTES)},
+        "environment": {
+            "type": "object",
+            "required": ["python_version", "torch_version", "cuda_build_version", "hip_build_version",
+                         "runtime_note", "device", "device_count", "device_visible", "device_name",
+                         "compute_capability", "total_memory_bytes", "free_memory_bytes"],
+            "properties": {
+                "python_version": {"type": "string"},
+                "torch_version": {"type": "string"},
+                "cuda_build_version": {"type": ["string", "null"]},
+                "hip_build_version": {"type": ["string", "null"]},
+                "runtime_note": {"type": "string"},
+                "device": {"$ref": "#/$defs/device"},
+                "device_count": _COUNT,
+                "device_visible": {"const": True},
+                "device_name": {"type": "string"},
+                "compute_capability": {"type": "string", "pattern": "^[0-9]{1,4}\\.[0-9]{1,4}$"},
+                "total_memory_bytes": {"type": "integer", "minimum": 1, "maximum": MAX_COUNTER_BYTES},
+                "free_memory_bytes": _BYTES,
+                "usable_memory_bytes": {"type": ["integer", "string", "null"]},
+            },
+        },
+        "synthetic_configuration": {
+            "type": "object",
+            "required": ["device", "batch", "context", "width", "hidden", "dtype", "warmup", "repeats", "seed"],
+            "additionalProperties": False,
+            "properties": {
+                "kind": {"const": "synthetic"},
+                "device": {"$ref": "#/$defs/device"},
+                "batch": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH},
+                "context": {"type": "integer", "minimum": 1, "maximum": MAX_CONTEXT},
+                "width": {"type": "integer", "minimum": 1, "maximum": MAX_WIDTH},
+                "hidden": {"type": "integer", "minimum": 1, "maximum": MAX_HIDDEN},
+                "dtype": {"$ref": "#/$defs/dtype"},
+                "warmup": {"type": "integer", "minimum": 0, "maximum": MAX_PASSES},
+                "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
+                "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+            },
+        },
+        "transformers_configuration": {
+            "type": "object",
+            "required": ["kind", "config_name", "dtype", "batch", "context", "new_tokens", "device", "seed",
+                         "decode_record_every"],
+            "properties": {
+                "kind": {"const": "transformers"},
+                "config_name": {"type": "string", "minLength": 1},
+                "dtype": {"$ref": "#/$defs/dtype"},
+                "batch": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH},
+                "context": {"type": "integer", "minimum": 1, "maximum": MAX_CONTEXT},
+                "new_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_NEW_TOKENS},
+                "device": {"$ref": "#/$defs/device"},
+                "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+                "decode_record_every": {"type": "integer", "minimum": 1, "maximum": MAX_NEW_TOKENS},
+            },
+        },
+        "synthetic_model": {
+            "type": "object",
+            "required": ["layers", "width", "hidden", "parameter_shapes", "parameter_count", "parameter_bytes",
+                         "forward_flops"],
+            "properties": {
+                "layers": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3},
+                "width": {"type": "integer", "minimum": 1, "maximum": MAX_WIDTH},
+                "hidden": {"type": "integer", "minimum": 1, "maximum": MAX_HIDDEN},
+                "parameter_shapes": {"type": "object"},
+                "parameter_count": {"type": "integer", "minimum": 1},
+                "parameter_bytes": {"type": "integer", "minimum": 1},
+                "forward_flops": {"type": "integer", "minimum": 1},
+            },
+        },
+        "phase": {
+            "type": "object",
+            "required": ["phase", "index", "passes", "seconds", "device_seconds",
+                         "baseline_allocated_bytes", "baseline_reserved_bytes", "end_allocated_bytes",
+                         "end_reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes"],
+            "additionalProperties": False,
+            "properties": {
+                "phase": {"type": "string"},
+                "index": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_PHASE_RECORDS},
+                "passes": {"type": "integer", "minimum": 0, "maximum": MAX_NEW_TOKENS},
+                "seconds": {"type": "number", "minimum": 0},
+                "device_seconds": {"type": "number", "minimum": 0},
+                "baseline_allocated_bytes": _BYTES,
+                "baseline_reserved_bytes": _BYTES,
+                "end_allocated_bytes": _BYTES,
+                "end_reserved_bytes": _BYTES,
+                "peak_allocated_bytes": _BYTES,
+                "peak_reserved_bytes": _BYTES,
+                "achieved_tflops": {"type": "number", "exclusiveMinimum": 0},
+                "host_to_device_time_ratio": {"type": "number", "exclusiveMinimum": 0},
+            },
+        },
+    },
+}
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    # JSON Schema counts 3.0 as an integer: a number with no fractional part
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool))
+    or (isinstance(v, float) and v.is_integer()),
+}
+
+
+def _same_json(a, b) -> bool:
+    """Equality as JSON Schema's const/enum mean it: true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _schema_errors(value, schema, where: str, root: dict):
+    """Yield (json path, problem) for every rule of `schema` that `value` breaks (the keywords
+    measurement.schema.json uses; its nesting is bounded by MAX_JSON_DEPTH)."""
+    if schema is True:
+        return
+    if schema is False:
+        yield where, "is not allowed here"
+        return
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        yield from _schema_errors(value, target, where, root)
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_JSON_TYPES[t](value) for t in types):
+            yield where, f"must be {' or '.join(types)}, got {_json_type_name(value)}"
+            return
+    if "const" in schema and not _same_json(value, schema["const"]):
+        yield where, f"must be {json.dumps(schema['const'])}, got {_short_json(value)}"
+    if "enum" in schema and not any(_same_json(value, option) for option in schema["enum"]):
+        yield where, f"must be one of {', '.join(json.dumps(o) for o in schema['enum'])}, got {_short_json(value)}"
+    if _JSON_TYPES["number"](value):
+        if "minimum" in schema and value < schema["minimum"]:
+            yield where, f"must be at least {schema['minimum']}, got {_short_json(value)}"
+        if "maximum" in schema and value > schema["maximum"]:
+            yield where, f"must be at most {schema['maximum']}, got {_short_json(value)}"
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            yield where, f"must be more than {schema['exclusiveMinimum']}, got {_short_json(value)}"
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            yield where, f"must have at least {schema['minLength']} character(s)"
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            yield where, f"does not match {schema['pattern']}: {_short_json(value)}"
+    if isinstance(value, list):
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            yield where, f"must hold at least {schema['minItems']} item(s), got {len(value)}"
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            yield where, f"must hold at most {schema['maxItems']} items, got {len(value)}"
+        if "items" in schema:
+            for i, item in enumerate(value):
+                yield from _schema_errors(item, schema["items"], f"{where}[{i}]", root)
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                yield where, f"lacks the required key {key!r}"
+        properties = schema.get("properties", {})
+        for key, item in value.items():
+            if key in properties:
+                yield from _schema_errors(item, properties[key], _json_path(where, key), root)
+            elif schema.get("additionalProperties", True) is False:
+                yield where, f"has an unknown key {key[:60]!r}"
+    if "if" in schema:
+        branch = "then" if next(_schema_errors(value, schema["if"], where, root), None) is None else "else"
+        if branch in schema:
+            yield from _schema_errors(value, schema[branch], where, root)
+
+
+def _json_path(where: str, key: str) -> str:
+    return f"{where}.{key}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else f"{where}[{json.dumps(key[:60])}]"
+
+
+def _json_type_name(value) -> str:
+    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
+        if _JSON_TYPES[name](value):
+            return name
+    return type(value).__name__
+
+
+def _short_json(value) -> str:
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else _json_type_name(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def measurement_problems(document) -> list:
+    """Every (json path, problem) of `document` against MEASUREMENT_SCHEMA; empty when valid."""
+    return list(_schema_errors(document, MEASUREMENT_SCHEMA, "$", MEASUREMENT_SCHEMA))
+
+
+def _too_deep(text: str, limit: int) -> bool:
+    """True if the JSON text nests arrays/objects deeper than `limit` (checked without recursion)."""
+    brackets = re.sub(r'"[^"\\]*(?:\\.[^"\\]*)*"', "", text)  # strings may hold any bracket
+    brackets = re.sub(r"[^\[\]{}]", "", brackets)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        reduced = re.sub(r"\[\]|\{\}", "", brackets)  # one level of innermost pairs per round
+        if reduced == brackets:
+            return False  # unbalanced: the JSON parser reports it
+        brackets = reduced
+    return bool(brackets)
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_json_file(path, max_bytes: int = MAX_MEASUREMENT_FILE_BYTES, max_depth: int = MAX_JSON_DEPTH):
+    """Parse the JSON file at `path` with bounds: a regular file (a FIFO or device is refused without
+    blocking), at most `max_bytes`, UTF-8, nesting at most `max_depth`, no NaN or infinities.
+    Raise LabError naming `path` as given."""
+    import stat
+    shown = display_path(path)
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        reason = "no such file" if exc.errno == 2 else _os_problem(exc)
+        raise LabError(f"cannot read {shown}: {reason}") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise LabError(f"cannot read {shown}: it is a folder")
+        if not stat.S_ISREG(info.st_mode):
+            raise LabError(f"cannot read {shown}: not a regular file")
+        if info.st_size > max_bytes:
+            raise LabError(f"{shown}: {info.st_size} bytes; a measurement file holds at most {max_bytes} bytes")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise LabError(f"cannot read {shown}: {_os_problem(exc)}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise LabError(f"{shown}: more than {max_bytes} bytes; a measurement file holds at most that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LabError(f"{shown}: not UTF-8 text (byte {exc.start})") from None
+    if _too_deep(text, max_depth):
+        raise LabError(f"{shown}: JSON nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise LabError(f"{shown}: JSON nested too deeply") from None
+    except ValueError as exc:
+        first = (str(exc).splitlines() or ["invalid"])[0][:120]
+        raise LabError(f"{shown}: not valid JSON: {first}") from None
+
+
+def read_measurement(path) -> dict:
+    """Read and validate a measurement file (synthetic or transformers) against every rule of
+    measurement.schema.json; raise LabError '<path>: <json path>: <problem>' on the first fault."""
+    document = read_json_file(path)
+    problem = next(_schema_errors(document, MEASUREMENT_SCHEMA, "$", MEASUREMENT_SCHEMA), None)
+    if problem:
+        raise LabError(f"{display_path(path)}: {problem[0]}: {problem[1]}")
+    return document
 
 
 # ---------------------------------------------------------------- estimate
@@ -324,27 +907,6 @@ def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
     raise LabError(f"no free file name for {stem} in {folder}")
 
 
-def write_new_text(path, text: str) -> None:
-    """Write `text` to `path` whole or not at all; refuse if `path` exists."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(tmp, path)  # atomic and exclusive: fails if another run took the name
-    except FileExistsError:
-        raise LabError(f"{path} already exists; choose a new file name") from None
-    finally:
-        os.unlink(tmp)
-
-
-def write_new_json(path, document) -> None:
-    """Write `document` as JSON to `path` whole or not at all; refuse if `path` exists."""
-    write_new_text(path, json.dumps(document, indent=2) + "\n")
-
-
 # ----------------------------------------------------------------- predict
 @dataclass(eq=False)
 class _Block:
@@ -523,38 +1085,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
 
 
 # --------------------------------------------------------------------- CLI
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+_positive_int = whole_number(minimum=1)  # older names, kept for code written against them
+_non_negative_int = whole_number(minimum=0)
+_number = decimal_number(minimum=0)
+_Parser = CommandParser
 
 
 def _add_size_flags(parser) -> None:
