@@ -3,17 +3,20 @@
     python -m lab_helpers.kit build [--output PATH] [--force]   # make kit
     python -m lab_helpers.kit verify PATH                        # make verify-kit KIT=PATH
 """
-import argparse
 import hashlib
 import io
 import json
 import os
+import secrets
 import stat
 import sys
-import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from lab_helpers.calcul_forfaits import printable
+from lab_helpers.mesure_memoire import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CommandParser
+
+PROG = "kit"
 ROOT = Path(__file__).resolve().parent.parent
 KIT_NAME = "iteragpu-lab-v1"
 DEFAULT_OUTPUT = Path("dist") / f"{KIT_NAME}.zip"
@@ -35,7 +38,19 @@ MANIFEST_NOTE = "MANIFEST.json carries no fingerprint of itself; it lists the ei
 FORMAT_VERSION = 1
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 FILE_MODE = stat.S_IFREG | 0o644
-MAX_MANIFEST_BYTES = 1024 * 1024  # verify reads at most this much of a manifest
+NEW_FILE_MODE = 0o666  # the kernel takes the umask off, as for any file the user creates
+# verify never reads more than a file's declared size + 1 byte, in chunks of this size, so
+# memory stays bounded whatever a member inflates to.
+READ_CHUNK_BYTES = 1024 * 1024
+MAX_MANIFEST_BYTES = 1024 * 1024  # the real one is ~1 KiB
+MAX_MEMBER_BYTES = 64 * 1024 * 1024  # the largest kit file is well under 1 MiB
+MAX_SOURCE_BYTES = MAX_MEMBER_BYTES
+MAX_ZIP_MEMBERS = 1000  # a kit has nine
+MAX_LISTED_PROBLEMS = 20  # per kind of problem; the rest is counted on one line
+ZIP_ENCRYPTED_FLAG = 0x1
+READABLE_COMPRESSION = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated"}
+NOTEBOOK_FORMAT = 4
+CELL_TYPES = ("code", "markdown", "raw")
 
 
 class KitError(Exception):
@@ -47,13 +62,46 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def check_notebook(data: bytes, source: str) -> None:
-    """Raise KitError if the notebook does not parse or has outputs or execution counts."""
-    try:
-        cells = json.loads(data.decode("utf-8"))["cells"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise KitError(f"refusing to package {source}: not a readable notebook ({exc})") from None
+def _notebook_fault(notebook) -> str:
+    """Return why `notebook` (parsed JSON) is not an nbformat 4 notebook, or ''."""
+    if not isinstance(notebook, dict):
+        return f"the top level is a JSON {type(notebook).__name__}, not an object"
+    if notebook.get("nbformat") != NOTEBOOK_FORMAT or type(notebook.get("nbformat")) is not int:
+        return (f"nbformat is {printable(repr(notebook.get('nbformat')))[:40]}, "
+                f"not {NOTEBOOK_FORMAT}")
+    if type(notebook.get("nbformat_minor")) is not int:
+        return "nbformat_minor is missing or not a whole number"
+    if not isinstance(notebook.get("metadata"), dict):
+        return "metadata is missing or not an object"
+    cells = notebook.get("cells")
+    if not isinstance(cells, list):
+        return "cells is missing or not a list"
     for index, cell in enumerate(cells, start=1):
+        if not isinstance(cell, dict):
+            return f"cell {index} is not an object"
+        if cell.get("cell_type") not in CELL_TYPES:
+            return f"cell {index} has no cell_type among {', '.join(CELL_TYPES)}"
+        source = cell.get("source")
+        if not (isinstance(source, str) or
+                (isinstance(source, list) and all(isinstance(s, str) for s in source))):
+            return f"cell {index} source is not text"
+        if not isinstance(cell.get("metadata", {}), dict):
+            return f"cell {index} metadata is not an object"
+    return ""
+
+
+def check_notebook(data: bytes, source: str) -> None:
+    """Raise KitError unless the notebook is nbformat 4 JSON without outputs or counts."""
+    try:
+        notebook = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else "not JSON"
+        raise KitError(f"refusing to package {source}: not a readable notebook ({reason})") from None
+    fault = _notebook_fault(notebook)
+    if fault:
+        raise KitError(f"refusing to package {source}: not an nbformat {NOTEBOOK_FORMAT} "
+                       f"notebook ({fault})")
+    for index, cell in enumerate(notebook["cells"], start=1):
         if cell.get("outputs") or cell.get("execution_count") is not None:
             raise KitError(
                 f"refusing to package {source}: cell {index} has outputs or an execution count;"
@@ -65,9 +113,15 @@ def read_sources(root: Path) -> dict:
     contents = {}
     for member, source in MEMBERS.items():
         path = Path(root) / source
-        if not path.is_file():
-            raise KitError(f"cannot build the kit: {source} is missing")
-        contents[member] = path.read_bytes()
+        if not path.is_file():  # also refuses a folder or a pipe in the file's place
+            raise KitError(f"cannot build the kit: {source} is missing or not a regular file")
+        if path.stat().st_size > MAX_SOURCE_BYTES:
+            raise KitError(f"cannot build the kit: {source} is over {MAX_SOURCE_BYTES} bytes")
+        try:
+            contents[member] = path.read_bytes()
+        except OSError as exc:
+            raise KitError(f"cannot build the kit: cannot read {source} "
+                           f"({exc.strerror or exc})") from None
     check_notebook(contents[NOTEBOOK], MEMBERS[NOTEBOOK])
     return contents
 
@@ -97,169 +151,327 @@ def kit_bytes(root: Path = ROOT) -> bytes:
     return buffer.getvalue()
 
 
-def build_kit(root: Path = ROOT, output: Path = None, force: bool = False) -> tuple:
-    """Write the kit to `output` atomically; return (path, changed). Raise KitError on refusal."""
-    output = Path(output) if output is not None else Path(root) / DEFAULT_OUTPUT
-    data = kit_bytes(root)
-    if output.exists():
-        if output.is_file() and output.read_bytes() == data:
-            return output, False
-        if not force:
-            raise KitError(f"{output} exists and differs from this build; --force replaces it")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+def _same_bytes(path: Path, data: bytes) -> bool:
+    """True when the regular file at `path` holds exactly `data` (read at most len + 1 bytes)."""
+    with path.open("rb") as handle:
+        return handle.read(len(data) + 1) == data
+
+
+def _write_whole(output: Path, data: bytes, replace: bool, shown: str) -> None:
+    """Write `data` to `output` whole or not at all: a temporary file beside it, then a link
+    (exclusive: fails if the name was taken meanwhile) or, with `replace`, a rename."""
+    tmp = output.with_name(f".{output.name[:100]}.{secrets.token_hex(8)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     NEW_FILE_MODE)
+    except OSError as exc:
+        raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            handle.flush()
+            os.fsync(handle.fileno())
+        if replace:
+            os.replace(tmp, output)
+        else:
+            os.link(tmp, output)
+    except FileExistsError:
+        raise KitError(f"{shown} appeared while building; build again") from None
+    except OSError as exc:
+        raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _shown_path(path, given: bool) -> str:
+    """Return `path` as the user typed it, or (a default) relative to the current folder."""
+    if given:
+        return printable(os.fspath(path))
+    try:
+        return printable(os.path.relpath(path))
+    except (ValueError, OSError):
+        return printable(os.fspath(path))
+
+
+def build_kit(root: Path = ROOT, output: Path = None, force: bool = False) -> tuple:
+    """Write the kit to `output` atomically; return (path, changed). Raise KitError on refusal."""
+    given = output is not None
+    output = Path(output) if given else Path(root) / DEFAULT_OUTPUT
+    shown = _shown_path(output, given)
+    data = kit_bytes(root)
+    if output.is_dir():
+        raise KitError(f"{shown} is a folder; give the zip's file name")
+    if os.path.lexists(output):
+        if not output.is_file() or output.is_symlink():
+            raise KitError(f"{shown} exists and is not a regular file; refusing to replace it")
+        if _same_bytes(output, data):
+            return output, False
+        if not force:
+            raise KitError(f"{shown} exists and differs from this build; --force replaces it")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
+    _write_whole(output, data, replace=force, shown=shown)
     return output, True
 
 
 def unsafe_reason(name: str):
-    """Return why a zip member name is unsafe (absolute, '..', outside KIT_NAME/), or None."""
+    """Return why a zip member name is unsafe, or None."""
+    if "\x00" in name:
+        return "name holds a NUL character"
+    if not name.isprintable():
+        return "name holds control characters"
     if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         return "absolute path"
-    if "\\" in name or ".." in PurePosixPath(name).parts:
-        return "unsafe path ('..' or backslash)"
+    if "\\" in name:
+        return "unsafe path (backslash in the name)"
+    if ".." in PurePosixPath(name).parts:
+        return "unsafe path ('..' in the path)"
     if not name.startswith(f"{KIT_NAME}/"):
         return f"outside the single folder {KIT_NAME}/"
     return None
 
 
+def _member_fault(info: zipfile.ZipInfo):
+    """Return why a zip member cannot be a kit file (unsafe name, link, encrypted...), or None."""
+    reason = unsafe_reason(info.orig_filename)  # orig_filename keeps what follows a NUL
+    if reason:
+        return f"member {reason}"
+    if stat.S_ISLNK(info.external_attr >> 16):
+        return "member is a link, not a file"
+    if info.flag_bits & ZIP_ENCRYPTED_FLAG:
+        return "member is encrypted; a kit is never encrypted"
+    if info.compress_type not in READABLE_COMPRESSION:
+        return (f"member uses compression method {info.compress_type}; "
+                f"only {' or '.join(READABLE_COMPRESSION.values())} is read")
+    return None
+
+
 def zip_files(archive: zipfile.ZipFile, problems: list) -> dict:
-    """Map each safe file of the open zip to a loader of its bytes; unsafe members are problems."""
+    """Map each safe file of the open zip to an opener of its bytes; unsafe members are problems."""
     files = {}
-    for info in archive.infolist():
+    infos = archive.infolist()
+    if len(infos) > MAX_ZIP_MEMBERS:
+        problems.append(f"the zip holds {len(infos)} members; a kit holds {len(KIT_FILES)} "
+                        f"(over {MAX_ZIP_MEMBERS}: not read)")
+        return files
+    for info in infos:
         name = info.filename[len(KIT_NAME) + 1:]
-        reason = unsafe_reason(info.filename)
-        if reason:
-            problems.append(f"{info.filename}: member {reason}")
-        elif stat.S_ISLNK(info.external_attr >> 16):
-            problems.append(f"{info.filename}: member is a link, not a file")
+        fault = _member_fault(info)
+        if fault:
+            problems.append(f"{printable(info.orig_filename)}: {fault}")
         elif name in files:
-            problems.append(f"{info.filename}: member appears twice")
+            problems.append(f"{printable(info.filename)}: member appears twice")
         elif not info.is_dir():
-            files[name] = lambda limit, info=info: read_limited(archive.open(info), limit)
+            files[name] = lambda info=info: archive.open(info)
     return files
 
 
-def read_limited(handle, limit: int) -> bytes:
-    """Return at most `limit` bytes from the open binary `handle`, then close it."""
-    with handle:
-        return handle.read(limit)
+def _open_no_block(path) -> int:
+    """Open `path` read-only without blocking on a pipe; return the descriptor."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+
+
+def _open_regular(path):
+    """Open the regular file at `path` for reading; OSError if it is anything else."""
+    fd = _open_no_block(path)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError("not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def folder_files(path: Path, problems: list) -> dict:
-    """Map each file under the extracted folder to a loader of its bytes; links are problems."""
+    """Map each file under the extracted folder to an opener of its bytes; links are problems."""
     files = {}
-    for entry in sorted(path.rglob("*")):
-        name = entry.relative_to(path).as_posix()
-        if entry.is_symlink():
-            problems.append(f"{name}: is a link, not a file")
-        elif entry.is_file():
-            files[name] = lambda limit, entry=entry: read_limited(entry.open("rb"), limit)
+    for folder, dirs, names in os.walk(path):  # never follows links
+        for entry_name in sorted(dirs + names):
+            entry = Path(folder) / entry_name
+            name = printable(entry.relative_to(path).as_posix())
+            if entry.is_symlink():
+                problems.append(f"{name}: is a link, not a file")
+            elif entry_name in names:
+                if entry.is_file():
+                    files[name] = lambda entry=entry: _open_regular(entry)
+                else:
+                    problems.append(f"{name}: is not a regular file (a pipe, socket or device)")
+        dirs[:] = sorted(d for d in dirs if not (Path(folder) / d).is_symlink())
     return files
+
+
+def read_bounded(opener, limit: int) -> bytes:
+    """Return at most `limit` bytes read through `opener()`, in chunks of READ_CHUNK_BYTES."""
+    chunks, size = [], 0
+    with opener() as handle:
+        while size < limit:
+            chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    return b"".join(chunks)
+
+
+def digest_bounded(opener, limit: int) -> tuple:
+    """Return (bytes read, sha256 hex) of at most `limit` bytes, never holding more than a chunk."""
+    digest, size = hashlib.sha256(), 0
+    with opener() as handle:
+        while size < limit:
+            chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def parse_manifest(data: bytes) -> dict:
     """Return the manifest's files table; raise ValueError if it does not parse or is malformed."""
-    files = json.loads(data.decode("utf-8"))["files"]
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"over {MAX_MANIFEST_BYTES} bytes")
+    try:
+        files = json.loads(data.decode("utf-8"))["files"]
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(files, dict):
+        raise ValueError("files is not an object")
     for name in set(files) & set(MEMBERS):  # names that are no kit file are reported, not read
         entry = files[name]
-        if not isinstance(entry.get("sha256"), str) or type(entry.get("size_bytes")) is not int:
-            raise ValueError(f"entry {name!r} lacks sha256 or size_bytes")
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+                or type(entry.get("size_bytes")) is not int or entry["size_bytes"] < 0:
+            raise ValueError(f"entry {name!r} lacks sha256 or a size_bytes >= 0")
     return files
 
 
 def verify_kit(path: Path) -> list:
     """Return the problems found checking a kit zip or extracted folder against its manifest."""
     path = Path(path)
-    if not path.exists():
-        raise KitError(f"{path}: no such file or folder")
+    shown = printable(os.fspath(path))
+    if not os.path.lexists(path):
+        raise KitError(f"{shown}: no such file or folder")
     if path.is_dir() and not (path / MANIFEST).exists() and (path / KIT_NAME).is_dir():
         path = path / KIT_NAME
     problems = []
     if path.is_dir():
         return check_files(folder_files(path, problems), problems)
     try:
-        with zipfile.ZipFile(path) as archive:
+        handle = _open_regular(path)
+    except OSError as exc:
+        return [f"{shown}: not a readable zip archive ({exc.strerror or exc})"]
+    try:
+        with handle, zipfile.ZipFile(handle) as archive:
             return check_files(zip_files(archive, problems), problems)
-    except (zipfile.BadZipFile, OSError) as exc:
-        return [f"{path}: not a readable zip archive ({exc})"]
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
+            NotImplementedError, RuntimeError) as exc:
+        return problems + [f"{shown}: not a readable zip archive ({printable(exc)[:200]})"]
+
+
+def _capped(lines: list, what: str) -> list:
+    """Return at most MAX_LISTED_PROBLEMS of `lines`, then one line counting the rest."""
+    if len(lines) <= MAX_LISTED_PROBLEMS:
+        return lines
+    rest = len(lines) - MAX_LISTED_PROBLEMS
+    return lines[:MAX_LISTED_PROBLEMS] + [f"... and {rest} more {what}"]
+
+
+READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError,
+               RuntimeError)
 
 
 def check_files(files: dict, problems: list) -> list:
-    """Return `problems` plus every difference between the loaders in `files` and the manifest."""
+    """Return `problems` plus every difference between the openers in `files` and the manifest."""
     if MANIFEST not in files:
         return problems + [f"{MANIFEST}: missing"]
     try:
-        manifest = parse_manifest(files[MANIFEST](MAX_MANIFEST_BYTES))
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, zipfile.BadZipFile) as exc:
-        return problems + [f"{MANIFEST}: does not parse or is malformed ({exc})"]
+        manifest = parse_manifest(read_bounded(files[MANIFEST], MAX_MANIFEST_BYTES + 1))
+    except (KeyError, TypeError, AttributeError) + READ_ERRORS as exc:
+        reason = printable(str(exc))[:200]
+        return problems + [f"{MANIFEST}: does not parse or is malformed ({reason})"]
     for name in sorted(KIT_FILES - set(manifest)):
         problems.append(f"{name}: not listed in {MANIFEST}, which must list all {len(KIT_FILES)}")
-    for name in sorted(set(manifest) - KIT_FILES):
-        problems.append(f"{name}: listed in {MANIFEST} but not a file of {KIT_NAME}")
-    for name in sorted(set(files) - set(manifest)):
-        problems.append(f"{name}: extra file, not listed in {MANIFEST}")
+    problems += _capped([f"{printable(name)}: listed in {MANIFEST} but not a file of {KIT_NAME}"
+                         for name in sorted(set(manifest) - KIT_FILES)], "names listed")
+    problems += _capped([f"{name}: extra file, not listed in {MANIFEST}"
+                         for name in sorted(set(files) - set(manifest))], "extra files")
     for name in sorted(set(manifest) & set(MEMBERS)):
-        entry = manifest[name]
+        expected = manifest[name]["size_bytes"]
         if name not in files:
             problems.append(f"{name}: missing")
             continue
-        expected = entry["size_bytes"]
-        try:  # one byte past the manifest's size is enough to see a file is longer
-            data = files[name](max(expected, 0) + 1)
-        except (ValueError, OSError, zipfile.BadZipFile) as exc:
-            problems.append(f"{name}: unreadable ({exc})")
+        if expected > MAX_MEMBER_BYTES:
+            problems.append(f"{name}: {MANIFEST} gives {expected} bytes, over the "
+                            f"{MAX_MEMBER_BYTES}-byte limit for a kit file; not read")
             continue
-        if len(data) < expected:
-            problems.append(f"{name}: truncated: {len(data)} bytes, {MANIFEST} says {expected}")
-        elif len(data) > expected:
+        try:  # one byte past the manifest's size is enough to see a file is longer
+            size, digest = digest_bounded(files[name], expected + 1)
+        except READ_ERRORS as exc:
+            problems.append(f"{name}: unreadable ({printable(str(exc))[:200]})")
+            continue
+        if size < expected:
+            problems.append(f"{name}: truncated: {size} bytes, {MANIFEST} says {expected}")
+        elif size > expected:
             problems.append(f"{name}: size differs: over the {expected} bytes {MANIFEST} gives")
-        elif sha256_hex(data) != entry["sha256"]:
+        elif digest != manifest[name]["sha256"]:
             problems.append(f"{name}: changed: its sha256 differs from {MANIFEST}")
     return problems
 
 
-def main(argv=None) -> int:
-    """Run the `build` or `verify` subcommand; return the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m lab_helpers.kit",
-                                     description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="write the kit zip from the repo's own files")
-    build.add_argument("--output", type=Path,
-                       help=f"where to write the zip (default: <root>/{DEFAULT_OUTPUT})")
+def build_parser() -> CommandParser:
+    """Return the command-line parser."""
+    parser = CommandParser(prog="python -m lab_helpers.kit", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{build,verify}")
+    build = commands.add_parser(
+        "build", help="write the kit zip from the repo's own files",
+        description="Write the kit zip (whole or not at all; the user's usual file mode).")
+    build.add_argument("--output", metavar="PATH",
+                       help=f"where to write the zip, folders created (default: "
+                            f"{DEFAULT_OUTPUT} in the repo)")
     build.add_argument("--force", action="store_true",
                        help="replace an existing output whose bytes differ from this build")
-    build.add_argument("--root", type=Path, default=ROOT,
+    build.add_argument("--root", metavar="FOLDER", default=None,
                        help="repo root the files are taken from (default: this repo)")
-    verify = commands.add_parser("verify", help=f"check a kit against its {MANIFEST}")
-    verify.add_argument("path", type=Path,
+    verify = commands.add_parser(
+        "verify", help=f"check a kit against its {MANIFEST}",
+        description=f"Check a kit zip or extracted folder against its {MANIFEST}: one FAIL line "
+                    "per problem on stderr and exit 1; exit 0 when all nine files match.")
+    verify.add_argument("path", metavar="PATH",
                         help=f"the kit zip, or the extracted folder .../{KIT_NAME}")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the `build` or `verify` subcommand; return the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    for flag, value in (("--output", getattr(args, "output", None)),
+                        ("--root", getattr(args, "root", None)), ("PATH", getattr(args, "path", None))):
+        if value == "":
+            parser.error(f"argument {flag}: the path is empty")
     try:
         if args.command == "build":
-            output, changed = build_kit(args.root, args.output, args.force)
+            given = args.output is not None
+            output, changed = build_kit(Path(args.root) if args.root else ROOT,
+                                        Path(args.output) if given else None, args.force)
             data = output.read_bytes()
             state = "wrote" if changed else "unchanged (identical bytes):"
-            print(f"{state} {output} ({len(KIT_FILES)} files, {len(data)} bytes,"
-                  f" sha256 {sha256_hex(data)})")
-            return 0
+            print(f"{state} {_shown_path(output, given)} ({len(KIT_FILES)} files, "
+                  f"{len(data)} bytes, sha256 {sha256_hex(data)})")
+            return EXIT_OK
         problems = verify_kit(args.path)
-    except (KitError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KitError as exc:
+        print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"{PROG}: error: {exc.strerror or printable(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
     if problems:
-        return 1
-    print(f"OK: {len(KIT_FILES)} files match {MANIFEST} ({args.path})")
-    return 0
+        return EXIT_FAILURE
+    print(f"OK: {len(KIT_FILES)} files match {MANIFEST} ({printable(args.path)})")
+    return EXIT_OK
 
 
 if __name__ == "__main__":
