@@ -18,7 +18,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -63,6 +63,14 @@ class PhaseError(Exception):
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
         self.phase = phase
+        memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
+        self.reason = "out_of_memory" if memory else "cuda_error"
+        self.message = f"{type(exc).__name__}: {first_line[:300]}"
+
+    def report(self) -> dict:
+        """The structured failure that `measure --failure-report` writes."""
+        return {"kind": "iteragpu-lab measure failure", "phase": self.phase, "reason": self.reason,
+                "message": self.message}
 
 
 # -------------------------------------------------------------- public API
@@ -646,14 +654,17 @@ def read_measurement(path) -> dict:
 
 
 # ---------------------------------------------------------------- estimate
+MAX_PARAMETERS = 10**18  # a billion billion: weight bytes stay exact and GiB figures finite
+MAX_RESERVE_GIB = 2**20  # one PiB, far above any device
+
+
 def estimate(parameters: int, bits: int, reserve_gib: float = 0.0) -> dict:
     """Return the weight bytes of `parameters` at `bits` per parameter, plus a stated reserve."""
-    if not isinstance(parameters, int) or parameters <= 0:
-        raise LabError(f"--parameters must be a positive integer, got {parameters!r}")
-    if not isinstance(bits, int) or not 0 < bits <= MAX_BITS:
-        raise LabError(f"--bits must be an integer from 1 to {MAX_BITS}, got {bits!r}")
-    if not math.isfinite(reserve_gib) or reserve_gib < 0:
-        raise LabError(f"--reserve-gib must be a finite number >= 0, got {reserve_gib!r}")
+    parse_whole(parameters, "--parameters", 1, MAX_PARAMETERS)
+    parse_whole(bits, "--bits", 1, MAX_BITS)
+    if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) \
+            or not math.isfinite(reserve_gib) or not 0 <= reserve_gib <= MAX_RESERVE_GIB:
+        raise LabError(f"--reserve-gib must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
     bytes_per_parameter = -(-bits // BITS_PER_BYTE)  # whole bytes, rounded up
     weight_bytes = parameters * bytes_per_parameter
     weight_gib = weight_bytes / GIB
@@ -671,6 +682,74 @@ def estimate(parameters: int, bits: int, reserve_gib: float = 0.0) -> dict:
 
 
 # ------------------------------------------------------------- environment
+USABLE_MEMORY_TIMEOUT_SECONDS = 180
+USABLE_MEMORY_STEP_BYTES = 2 * 2**20  # the allocator's large segments are whole multiples of 2 MiB
+USABLE_MEMORY_MAX_TRIES = 2048  # at most 4 GiB below the free figure
+# Runs in a fresh process: the caller then holds no CUDA context that would take device memory.
+# It creates what a measuring process has (CUDA context, a float32 cuBLAS product, a bfloat16 addmm
+# with bias for cuBLASLt, their workspaces), then asks for the largest block that succeeds.
+USABLE_MEMORY_CHILD = r"""
+import json, sys
+import torch
+index, step, max_tries = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+device = torch.device("cuda", index)
+torch.cuda.set_device(device)
+a = torch.ones((64, 64), device=device)
+keep = [a @ a]
+if torch.cuda.is_bf16_supported():
+    b = torch.ones((64, 64), device=device, dtype=torch.bfloat16)
+    keep.append(torch.addmm(b[0], b, b.t()))
+torch.cuda.synchronize(device)
+size = torch.cuda.mem_get_info(device)[0] // step * step
+tries = 0
+while size > 0 and tries < max_tries:
+    tries += 1
+    try:
+        block = torch.empty(size, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        size -= step
+        continue
+    torch.cuda.synchronize(device)
+    print(json.dumps({"usable_memory_bytes": torch.cuda.memory_reserved(device), "block_bytes": size,
+                      "tries": tries}))
+    sys.exit(0)
+print(json.dumps({"usable_memory_bytes": None, "tries": tries}))
+"""
+
+
+def usable_memory_command(index: int) -> list:
+    """The argv of the child process that measures usable memory on cuda:`index`."""
+    return [sys.executable, "-c", USABLE_MEMORY_CHILD, str(index), str(USABLE_MEMORY_STEP_BYTES),
+            str(USABLE_MEMORY_MAX_TRIES)]
+
+
+def usable_memory(index: int, command=None, timeout_seconds: float = USABLE_MEMORY_TIMEOUT_SECONDS) -> dict:
+    """Measure, in a child process, the largest `reserved` a fresh process reaches on cuda:`index`
+    (its handles and workspaces included). Return usable_memory_bytes (or "unavailable") and the reason."""
+    import subprocess
+    argv = usable_memory_command(index) if command is None else list(command)
+    unavailable = {"usable_memory_bytes": UNAVAILABLE, "usable_memory_unavailable_reason": None}
+    try:
+        child = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_seconds,
+                               stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {**unavailable, "usable_memory_unavailable_reason": f"no answer within {timeout_seconds} s"}
+    except OSError as exc:
+        return {**unavailable, "usable_memory_unavailable_reason": _safe_reason(exc)}
+    lines = child.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+        value = answer["usable_memory_bytes"] if isinstance(answer, dict) else None
+    except (ValueError, KeyError):
+        value = None
+    if child.returncode == 0 and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return {"usable_memory_bytes": value, "usable_memory_unavailable_reason": None}
+    last = (child.stderr.strip().splitlines() or [f"exit code {child.returncode}, no figure"])[-1]
+    if child.returncode == 0:
+        last = "no allocation succeeded"
+    return {**unavailable, "usable_memory_unavailable_reason": _safe_reason(RuntimeError(last))[14:]}
+
+
 @dataclass
 class EnvironmentReport:
     """Every field the diagnostic reports; what cannot be read says why."""
@@ -689,6 +768,8 @@ class EnvironmentReport:
     compute_capability: str | None = None
     total_memory_bytes: int | None = None
     free_memory_bytes: int | None = None
+    usable_memory_bytes: int | str | None = None  # None: not measured (inside a measuring process)
+    usable_memory_unavailable_reason: str | None = None
     os: str = field(default_factory=platform.system)
     machine: str = field(default_factory=platform.machine)
 
@@ -700,22 +781,32 @@ def _safe_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
+MAX_DEVICE_DIGITS = 6
+
+
 def parse_device(device: str) -> int:
-    """Return N for an explicit 'cuda:N' device string, else raise LabError."""
-    match = re.fullmatch(r"cuda:(\d+)", device or "")
+    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise LabError."""
+    match = re.fullmatch(r"cuda:([0-9]{1,%d})" % MAX_DEVICE_DIGITS, device) if isinstance(device, str) else None
     if not match:
-        raise LabError(f"--device must be an explicit cuda:N (e.g. cuda:0), got {device!r}")
+        shown = repr(device[:40]) if isinstance(device, str) else type(device).__name__
+        raise LabError(f"--device must be an explicit cuda:N (e.g. cuda:0), got {shown}")
     return int(match.group(1))
 
 
-def environment(device: str = "cuda:0") -> dict:
-    """Report Python, torch, its CUDA/HIP build and the chosen device; never raises for a missing GPU."""
+def environment(device: str = "cuda:0", usable_memory_figure: bool = True, usable_memory_probe=None) -> dict:
+    """Report Python, torch, its CUDA/HIP build and the chosen device; never raises for a missing GPU.
+    With `usable_memory_figure`, usable_memory_bytes is measured in a child process (see usable_memory);
+    `usable_memory_probe` replaces that function (for tests)."""
     index = parse_device(device)
+    probe = usable_memory if usable_memory_probe is None else usable_memory_probe
     report = EnvironmentReport(python_version=platform.python_version(), device=device)
+    if usable_memory_figure:
+        report.usable_memory_bytes = UNAVAILABLE
     try:
         import torch
     except Exception as exc:  # an absent or broken torch is a valid report
         report.torch_unavailable_reason = _safe_reason(exc)
+        report.usable_memory_unavailable_reason = "torch cannot be imported" if usable_memory_figure else None
         return asdict(report)
     report.torch_version = str(torch.__version__)
     report.cuda_build_version = torch.version.cuda
@@ -723,11 +814,26 @@ def environment(device: str = "cuda:0") -> dict:
     try:
         if not torch.cuda.is_available():
             report.device_unavailable_reason = "torch.cuda.is_available() is False"
-            return asdict(report)
-        report.device_count = torch.cuda.device_count()
-        if index >= report.device_count:
-            report.device_unavailable_reason = f"{report.device_count} device(s) visible"
-            return asdict(report)
+        else:
+            report.device_count = torch.cuda.device_count()
+            if index >= report.device_count:
+                report.device_unavailable_reason = f"{report.device_count} device(s) visible"
+    except Exception as exc:
+        report.device_unavailable_reason = _safe_reason(exc)
+    if report.device_unavailable_reason:
+        if usable_memory_figure:
+            report.usable_memory_unavailable_reason = "no device visible: " + report.device_unavailable_reason
+        return asdict(report)
+    if usable_memory_figure:
+        # before this process reads free memory: that creates a CUDA context, which takes device memory
+        held = torch.cuda.is_initialized()
+        figure = probe(index)
+        report.usable_memory_bytes = figure["usable_memory_bytes"]
+        report.usable_memory_unavailable_reason = figure["usable_memory_unavailable_reason"]
+        if held and isinstance(report.usable_memory_bytes, int):
+            report.usable_memory_unavailable_reason = (
+                "this process already held a CUDA context: a fresh process can reach more")
+    try:
         props = torch.cuda.get_device_properties(index)
         report.device_visible = True
         report.device_name = props.name
@@ -735,14 +841,22 @@ def environment(device: str = "cuda:0") -> dict:
         report.total_memory_bytes = int(props.total_memory)
         report.free_memory_bytes = int(torch.cuda.mem_get_info(index)[0])
     except Exception as exc:
+        report.device_visible = False
         report.device_unavailable_reason = _safe_reason(exc)
     return asdict(report)
 
 
 # ----------------------------------------------------------------- measure
+MAX_TENSOR_BYTES = 2**48  # 256 TiB: above any device, and byte arithmetic stays exact
+_CONFIG_BOUNDS = {"batch": (1, MAX_BATCH), "context": (1, MAX_CONTEXT), "width": (1, MAX_WIDTH),
+                  "hidden": (1, MAX_HIDDEN), "warmup": (0, MAX_PASSES), "repeats": (1, MAX_PASSES),
+                  "seed": (0, MAX_SEED)}
+
+
 @dataclass(frozen=True)
 class MeasureConfig:
-    """What to measure; sizes of the Linear -> GELU -> Linear network and its input."""
+    """What to measure; sizes of the Linear -> GELU -> Linear network and its input. Validated once,
+    when built: integer types and bounds, dtype, and the device string (parsed into device_index)."""
 
     device: str = "cuda:0"
     batch: int = 1
@@ -754,37 +868,57 @@ class MeasureConfig:
     repeats: int = 2
     seed: int = 0
 
+    def __post_init__(self):
+        for name, (low, high) in _CONFIG_BOUNDS.items():
+            value = getattr(self, name)
+            if name == "hidden" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise LabError(f"--{name} must be an integer, got {type(value).__name__}")
+            parse_whole(value, f"--{name}", low, high)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
+            shown = repr(self.dtype[:40]) if isinstance(self.dtype, str) else type(self.dtype).__name__
+            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
+        object.__setattr__(self, "_device_index", parse_device(self.device))
+        largest = max(self.batch * self.context * max(self.hidden_features, self.width),
+                      self.hidden_features * self.width) * DTYPE_BYTES[self.dtype]
+        if largest > MAX_TENSOR_BYTES:
+            raise LabError(f"the largest tensor would take {largest} bytes, more than {MAX_TENSOR_BYTES} "
+                           "(256 TiB): lower batch, context, width or hidden")
+
+    @property
+    def device_index(self) -> int:
+        """N of the device cuda:N, parsed once when the config was built."""
+        return self._device_index
+
+    @property
+    def hidden_features(self) -> int:
+        """`hidden`, or 4 x width when it was not given."""
+        return 4 * self.width if self.hidden is None else self.hidden
+
     def checked(self) -> "MeasureConfig":
-        """Return the config with `hidden` filled in, or raise LabError on a bad value."""
-        for name in ("batch", "context", "width", "repeats"):
-            if getattr(self, name) <= 0:
-                raise LabError(f"--{name} must be > 0, got {getattr(self, name)}")
-        if self.hidden is not None and self.hidden <= 0:
-            raise LabError(f"--hidden must be > 0, got {self.hidden}")
-        if self.warmup < 0:
-            raise LabError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.dtype not in DTYPE_BYTES:
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        parse_device(self.device)
-        hidden = self.hidden if self.hidden is not None else 4 * self.width
-        return MeasureConfig(**{**asdict(self), "hidden": hidden})
+        """The same config with `hidden` filled in (validation already ran when it was built)."""
+        return self if self.hidden is not None else replace(self, hidden=self.hidden_features)
+
+    def record(self) -> dict:
+        """The configuration as a measurement file stores it (`hidden` filled in)."""
+        return {**asdict(self), "hidden": self.hidden_features}
 
 
 def synthetic_model(config: MeasureConfig) -> dict:
     """Describe the network: parameter tensors, counts, bytes and forward FLOPs."""
-    c = config.checked()
-    shapes = {"0.weight": [c.hidden, c.width], "0.bias": [c.hidden],
-              "2.weight": [c.width, c.hidden], "2.bias": [c.width]}
+    width, hidden = config.width, config.hidden_features
+    shapes = {"0.weight": [hidden, width], "0.bias": [hidden], "2.weight": [width, hidden], "2.bias": [width]}
     counts = {name: math.prod(shape) for name, shape in shapes.items()}
-    element_bytes = DTYPE_BYTES[c.dtype]
+    element_bytes = DTYPE_BYTES[config.dtype]
     return {
         "layers": ["Linear(width, hidden)", "GELU", "Linear(hidden, width)"],
-        "width": c.width, "hidden": c.hidden,
+        "width": width, "hidden": hidden,
         "parameter_shapes": shapes,
         "parameter_count": sum(counts.values()),
         "parameter_bytes": sum(counts.values()) * element_bytes,
         # two matrix products of 2*N*width*hidden each; bias adds and GELU not counted
-        "forward_flops": 4 * c.batch * c.context * c.width * c.hidden,
+        "forward_flops": 4 * config.batch * config.context * width * hidden,
     }
 
 
@@ -797,10 +931,9 @@ def _import_torch():
 
 
 def _check_device(torch, config: MeasureConfig):
-    index = parse_device(config.device)
     if not torch.cuda.is_available():
         raise LabError("no CUDA/ROCm device is available to torch; measure never falls back to the CPU")
-    if index >= torch.cuda.device_count():
+    if config.device_index >= torch.cuda.device_count():
         raise LabError(f"{config.device} is out of range: {torch.cuda.device_count()} device(s) visible")
     try:
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -808,7 +941,7 @@ def _check_device(torch, config: MeasureConfig):
         bf16 = torch.cuda.is_bf16_supported()
     if config.dtype == "bfloat16" and not bf16:
         raise LabError(f"bfloat16 is not supported on {config.device}")
-    return torch.device(config.device)
+    return torch.device("cuda", config.device_index)
 
 
 def _phase(torch, device, name, action, index=None, passes=0):
@@ -844,21 +977,21 @@ def _phase(torch, device, name, action, index=None, passes=0):
 
 def measure(config: MeasureConfig) -> dict:
     """Measure every phase on the GPU and return the measurement document."""
-    config = config.checked()
     torch = _import_torch()
     device = _check_device(torch, config)
     torch.cuda.set_device(device)
     torch.cuda.init()
     dtype = getattr(torch, config.dtype)
-    env = environment(config.device)
+    hidden = config.hidden_features
+    env = environment(config.device, usable_memory_figure=False)  # a child here would see this context
     model_info = synthetic_model(config)
     phases, state = [], {}
 
     def load_model():
         with torch.random.fork_rng(devices=[]):  # seed the CPU init without touching global RNG
             torch.manual_seed(config.seed)
-            model = torch.nn.Sequential(torch.nn.Linear(config.width, config.hidden), torch.nn.GELU(),
-                                        torch.nn.Linear(config.hidden, config.width))
+            model = torch.nn.Sequential(torch.nn.Linear(config.width, hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(hidden, config.width))
         # convert on the CPU, then copy: the device only ever holds the final tensors
         state["model"] = model.to(dtype=dtype).to(device).eval()
 
@@ -891,7 +1024,7 @@ def measure(config: MeasureConfig) -> dict:
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab measurement",
         "environment": env,
-        "configuration": asdict(config),
+        "configuration": config.record(),
         "synthetic_model": model_info,
         "phases": phases,
     }
@@ -989,7 +1122,13 @@ class AllocatorModel:
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
     """Predict allocated and reserved bytes per phase, from the allocator's rules alone."""
-    c = config.checked()
+    c = config
+    hidden = c.hidden_features
+    workspace_bytes = tuple(workspace_bytes)
+    if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
+        raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
+    for size in workspace_bytes:
+        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
     alloc = AllocatorModel()
@@ -1014,10 +1153,10 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     def forward():
         # nn.Linear on a contiguous 3-D input is one addmm: its output comes first,
         # then the math library's workspace on the very first product
-        first = alloc.malloc(tokens * c.hidden * element)
+        first = alloc.malloc(tokens * hidden * element)
         if not live.get("workspace"):
             live["workspace"] = [alloc.malloc(size) for size in workspace_bytes]
-        activated = alloc.malloc(tokens * c.hidden * element)  # GELU output
+        activated = alloc.malloc(tokens * hidden * element)  # GELU output
         alloc.free(first)  # Sequential drops the first output once GELU has returned
         output = alloc.malloc(tokens * c.width * element)
         alloc.free(activated)
@@ -1041,7 +1180,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
-        "configuration": asdict(c),
+        "configuration": c.record(),
         "synthetic_model": synthetic_model(c),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
         "reserved_assumptions": (
@@ -1052,30 +1191,61 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     }
 
 
+# What compare needs of a document: a synthetic configuration and phases with their counters (a
+# measurement file, or a prediction laid out like one).
+COMPARABLE_SCHEMA = {
+    "type": "object",
+    "required": ["configuration", "phases"],
+    "properties": {
+        "configuration": {"$ref": "#/$defs/synthetic_configuration"},
+        "phases": {"type": "array", "minItems": 5, "maxItems": 4 + MAX_PASSES, "items": {
+            "type": "object",
+            "required": ["phase", "index", *(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak")
+                                             for counter in COUNTERS)],
+            "properties": {**MEASUREMENT_SCHEMA["$defs"]["phase"]["properties"], "phase": {"enum": list(PHASES)}},
+        }},
+    },
+}
+
+
 def compare(measurement: dict, workspace_bytes=None) -> dict:
-    """Set a measurement beside its prediction; differences are measured minus predicted."""
-    try:
-        config = MeasureConfig(**measurement["configuration"])
-        measured = measurement["phases"]
-    except (KeyError, TypeError) as exc:
-        raise LabError(f"not a measurement document: {_safe_reason(exc)}") from None
+    """Set a measurement of the synthetic network beside its prediction; differences are measured
+    minus predicted. The document is checked against the schema and the phases predict would give."""
+    configuration = measurement.get("configuration") if isinstance(measurement, dict) else None
+    if isinstance(configuration, dict) and configuration.get("kind", "synthetic") != "synthetic":
+        raise LabError("compare predicts the synthetic network only; this file measured a "
+                       f"{str(configuration['kind'])[:40]} model")
+    problem = next(_schema_errors(measurement, COMPARABLE_SCHEMA, "$", MEASUREMENT_SCHEMA), None)
+    if problem:
+        raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")
+    settings = {k: v for k, v in measurement["configuration"].items() if k != "kind"}
+    config = MeasureConfig(**settings)
+    measured = measurement["phases"]
     bare = predict(config, workspace_bytes=())["phases"]
-    cold = [m for m, b in zip(measured, bare) if m["phase"] == "cold_forward"]
-    detected = cold[0]["end_allocated_bytes"] - bare[PHASES.index("cold_forward")]["end_allocated_bytes"] if cold else None
     if workspace_bytes is None:
         prediction = predict(config)
     else:
         prediction = predict(config, workspace_bytes, "given on the command line")
+    expected = [(p["phase"], p["index"]) for p in bare]
+    if len(measured) != len(expected):
+        raise LabError(f"$.phases: {len(measured)} records, but measure writes {len(expected)} for "
+                       f"warmup {config.warmup} and repeats {config.repeats}")
+    for i, (got, want) in enumerate(zip(measured, expected)):
+        if (got["phase"], got["index"]) != want:
+            raise LabError(f"$.phases[{i}]: phase {got['phase']!r} index {got['index']!r}, but measure "
+                           f"writes phase {want[0]!r} index {want[1]!r} there")
+    cold = PHASES.index("cold_forward")
+    detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]
     rows = []
     for got, want in zip(measured, prediction["phases"]):
-        row = {"phase": got["phase"], "index": got.get("index")}
+        row = {"phase": got["phase"], "index": got["index"]}
         for key in want:
             if key.endswith("_bytes"):
                 row[f"measured_{key}"] = got[key]
                 row[f"predicted_{key}"] = want[key]
                 row[f"difference_{key}"] = got[key] - want[key]
         rows.append(row)
-    allocated_keys = [k for k in rows[0] if k.startswith("difference_") and "allocated" in k] if rows else []
+    allocated_keys = [k for k in rows[0] if k.startswith("difference_") and "allocated" in k]
     return {
         "workspace": prediction["workspace"],
         "workspace_detected_bytes": detected,
@@ -1084,51 +1254,196 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     }
 
 
+# ------------------------------------------------------------------ tables
+MIB = 2**20
+
+
+def format_bytes(count: int) -> str:
+    """'33.16 MiB (34772480 B)': MiB under 1 GiB, GiB from there, with the exact bytes."""
+    if count >= GIB:
+        return f"{count / GIB:.2f} GiB ({count} B)"
+    return f"{count / MIB:.2f} MiB ({count} B)"
+
+
+def text_table(header, rows) -> str:
+    """Columns aligned with two spaces: the first to the left, the others to the right."""
+    cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        parts = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _label(record) -> str:
+    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+
+
+def _sizes_line(configuration) -> str:
+    c = configuration
+    return (f"batch {c['batch']}, context {c['context']}, width {c['width']}, hidden {c['hidden']}, "
+            f"{c['dtype']}, warmup {c['warmup']}, repeats {c['repeats']}")
+
+
+def estimate_table(result: dict) -> str:
+    """The estimate as lines for people."""
+    rows = [
+        ("parameters", f"{result['parameters']}"),
+        ("bits per parameter", f"{result['bits']} ({result['bytes_per_parameter']} bytes, rounded up)"),
+        ("weights", f"{result['weight_gib']:.2f} GiB ({result['weight_bytes']} B; {result['weight_gb']:.2f} GB)"),
+        ("reserve (your assumption)", f"{result['reserve_gib']:.2f} GiB"),
+        ("total", f"{result['total_gib']:.2f} GiB"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+    lines.append("not counted: " + ", ".join(result["excludes"]))
+    return "\n".join(lines)
+
+
+def predict_table(result: dict) -> str:
+    """Predicted end and peak of allocated and reserved per phase, for people."""
+    counters = ("end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")
+    header = ("phase", "end allocated", "peak allocated", "end reserved", "peak reserved")
+    rows = [(_label(p), *(format_bytes(p[k]) for k in counters)) for p in result["phases"]]
+    workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    return "\n".join([
+        f"prediction: {_sizes_line(result['configuration'])}",
+        text_table(header, rows),
+        "each phase starts from the previous one's end",
+        f"workspace: {workspace} bytes ({result['workspace']['source']})",
+        f"reserved assumes: {result['reserved_assumptions']}",
+    ])
+
+
+def compare_table(result: dict) -> str:
+    """Measured beside predicted peaks per phase, differences in bytes, for people."""
+    header = ("phase", "measured peak allocated", "predicted", "difference B",
+              "measured peak reserved", "predicted", "difference B")
+    rows = []
+    for r in result["rows"]:
+        rows.append((_label(r),
+                     format_bytes(r["measured_peak_allocated_bytes"]), format_bytes(r["predicted_peak_allocated_bytes"]),
+                     f"{r['difference_peak_allocated_bytes']:+d}",
+                     format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
+                     f"{r['difference_peak_reserved_bytes']:+d}"))
+    workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    return "\n".join([
+        text_table(header, rows),
+        f"allocated exact (baseline, end and peak of every phase): {'yes' if result['allocated_exact'] else 'no'}",
+        f"workspace predicted: {workspace} bytes ({result['workspace']['source']}); "
+        f"detected from the cold forward: {result['workspace_detected_bytes']} bytes",
+    ])
+
+
+def environment_table(result: dict) -> str:
+    """The environment report as 'key  value' lines, for people."""
+    width = max(map(len, result))
+    return "\n".join(f"{key.ljust(width)}  {'' if value is None else value}".rstrip() for key, value in result.items())
+
+
 # --------------------------------------------------------------------- CLI
-_positive_int = whole_number(minimum=1)  # older names, kept for code written against them
+MAX_WORKSPACE_BLOCKS = 16
+MAX_WORKSPACE_BYTES = 2**40
+COMMANDS = {
+    "estimate": "weight bytes from a parameter count and a bit width (no GPU, no torch)",
+    "environment": "Python, torch, the device, and the memory a fresh process can use",
+    "measure": "measure memory and time per phase on the GPU (never on the CPU)",
+    "predict": "predict allocated/reserved bytes per phase from the allocator's rules (no GPU)",
+    "compare": "a measurement file beside its prediction, per phase",
+}
+EXAMPLES = {
+    "estimate": "python mesure_memoire.py estimate --parameters 7000000000 --bits 16 --reserve-gib 4",
+    "environment": "python mesure_memoire.py environment --device cuda:0",
+    "measure": ("python mesure_memoire.py measure --device cuda:0 --batch 1 --context 16 --width 64 \\\n"
+                "      --dtype float32 --warmup 1 --repeats 2 --output mesures-petit-essai.json"),
+    "predict": "python mesure_memoire.py predict --batch 2 --context 128 --width 1024 --dtype bfloat16 --format table",
+    "compare": "python mesure_memoire.py compare mesures-petit-essai.json --format table --fail-on-difference",
+}
+DEFAULT_WORKSPACE_HELP = (f"default: {' then '.join(map(str, DEFAULT_WORKSPACE_BYTES))} bytes, "
+                          f"{DEFAULT_WORKSPACE_SOURCE}")
+
+
+def add_size_flags(parser) -> None:
+    """The flags of the network's sizes and passes, shared by measure, predict and the sweep."""
+    parser.add_argument("--batch", type=whole_number(1, MAX_BATCH), default=1,
+                        help=f"sequences per forward pass, 1 to {MAX_BATCH} (default 1)")
+    parser.add_argument("--context", type=whole_number(1, MAX_CONTEXT), default=16,
+                        help=f"tokens per sequence, 1 to {MAX_CONTEXT} (default 16)")
+    parser.add_argument("--width", type=whole_number(1, MAX_WIDTH), default=64,
+                        help=f"model width: Linear input/output features, 1 to {MAX_WIDTH} (default 64)")
+    parser.add_argument("--hidden", type=whole_number(1, MAX_HIDDEN), default=None,
+                        help=f"hidden features of the first Linear, 1 to {MAX_HIDDEN} (default 4 x width)")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32",
+                        help="parameter and input dtype (default float32)")
+    parser.add_argument("--warmup", type=whole_number(0, MAX_PASSES), default=1,
+                        help=f"warm-up passes, recorded as one phase, 0 to {MAX_PASSES} (default 1)")
+    parser.add_argument("--repeats", type=whole_number(1, MAX_PASSES), default=2,
+                        help=f"measured warm passes, one record each, 1 to {MAX_PASSES} (default 2)")
+
+
+_add_size_flags = add_size_flags  # older names, kept for code written against them
+_positive_int = whole_number(minimum=1)
 _non_negative_int = whole_number(minimum=0)
 _number = decimal_number(minimum=0)
 _Parser = CommandParser
 
 
-def _add_size_flags(parser) -> None:
-    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences per forward pass (default 1)")
-    parser.add_argument("--context", type=_positive_int, default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--width", type=_positive_int, default=64, help="model width: Linear input/output features (default 64)")
-    parser.add_argument("--hidden", type=_positive_int, default=None, help="hidden features of the first Linear (default 4 x width)")
-    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32", help="parameter and input dtype (default float32)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=1, help="warm-up passes, recorded as one phase (default 1)")
-    parser.add_argument("--repeats", type=_positive_int, default=2, help="measured warm passes, one record each (default 2)")
+def _format_flag(parser) -> None:
+    parser.add_argument("--format", choices=("json", "table"), default="json",
+                        help="json for programs (default), table for people")
+
+
+def _workspace_flag(parser, text: str) -> None:
+    parser.add_argument("--workspace-bytes", type=whole_number(0, MAX_WORKSPACE_BYTES), nargs="*", default=None,
+                        metavar="N", help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser with its five subcommands."""
-    parser = _Parser(prog="mesure_memoire", description=(
+    parser = CommandParser(prog="mesure_memoire", description=(
         "Estimate weight bytes, describe the environment, and measure or predict PyTorch "
         "allocator counters per phase of a tiny Linear -> GELU -> Linear network."))
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("estimate", help="weight bytes from a parameter count and a bit width (no GPU)")
-    p.add_argument("--parameters", type=_positive_int, required=True, help="number of model parameters")
-    p.add_argument("--bits", type=_positive_int, required=True, help="bits per parameter, rounded up to whole bytes")
-    p.add_argument("--reserve-gib", type=_number, default=0.0, help="extra GiB you choose to add, stated as an assumption (default 0)")
-    p = sub.add_parser("environment", help="privacy-safe diagnostic of Python, torch and the device")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
+
+    def command(name):
+        return sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name],
+                              epilog=f"example:\n  {EXAMPLES[name]}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = command("estimate")
+    p.add_argument("--parameters", type=whole_number(1, MAX_PARAMETERS), required=True,
+                   help=f"number of model parameters, 1 to {MAX_PARAMETERS}")
+    p.add_argument("--bits", type=whole_number(1, MAX_BITS), required=True,
+                   help=f"bits per parameter, 1 to {MAX_BITS}, rounded up to whole bytes")
+    p.add_argument("--reserve-gib", type=decimal_number(0, MAX_RESERVE_GIB), default=0.0,
+                   help=f"extra GiB you choose to add, stated as an assumption, 0 to {MAX_RESERVE_GIB} (default 0)")
+    _format_flag(p)
+    p = command("environment")
     p.add_argument("--device", default="cuda:0", help="device to describe, cuda:N (default cuda:0)")
-    p = sub.add_parser("measure", help="measure memory and time per phase on the GPU (never on the CPU)")
+    p.add_argument("--no-usable-memory", dest="usable_memory", action="store_false",
+                   help="skip the child process that measures usable_memory_bytes")
+    _format_flag(p)
+    p = command("measure")
     p.add_argument("--device", default="cuda:0", help="device to measure on, an explicit cuda:N (default cuda:0)")
-    _add_size_flags(p)
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights and inputs (default 0)")
+    add_size_flags(p)
+    p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
+                   help="seed of the weights and inputs (default 0)")
     p.add_argument("--output", required=True, help="new JSON file to create; an existing file is never overwritten")
-    p = sub.add_parser("predict", help="predict allocated/reserved bytes per phase (no GPU)")
-    _add_size_flags(p)
-    p.add_argument("--workspace-bytes", type=_non_negative_int, nargs="*", default=None, metavar="N",
-                   help="math-library workspace blocks allocated at the first matrix product "
-                        f"(default {' '.join(map(str, DEFAULT_WORKSPACE_BYTES))}: {DEFAULT_WORKSPACE_SOURCE})")
-    p = sub.add_parser("compare", help="a measurement file beside its prediction, per phase")
+    p.add_argument("--failure-report", metavar="PATH",
+                   help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
+                        "as JSON to this new file")
+    p = command("predict")
+    add_size_flags(p)
+    _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
+                       f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
+    _format_flag(p)
+    p = command("compare")
     p.add_argument("measurement", help="JSON file written by measure")
-    p.add_argument("--workspace-bytes", type=_non_negative_int, nargs="*", default=None, metavar="N",
-                   help="override the workspace blocks (default: the measured default above)")
+    _workspace_flag(p, f"override the workspace blocks ({DEFAULT_WORKSPACE_HELP})")
     p.add_argument("--fail-on-difference", action="store_true",
                    help="exit 1 if any predicted allocated count differs from the measured one")
+    _format_flag(p)
     return parser
 
 
@@ -1136,36 +1451,63 @@ def _config_from(args) -> MeasureConfig:
     return MeasureConfig(**{k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__ if hasattr(args, k)})
 
 
+def _workspace_from(args):
+    if args.workspace_bytes is None:
+        return None
+    if len(args.workspace_bytes) > MAX_WORKSPACE_BLOCKS:
+        raise LabError(f"--workspace-bytes takes at most {MAX_WORKSPACE_BLOCKS} blocks, got {len(args.workspace_bytes)}")
+    return tuple(args.workspace_bytes)
+
+
+def _refuse_existing(path, flag: str) -> None:
+    shown = display_path(path)
+    if os.path.lexists(path):
+        raise LabError(f"{shown} already exists; choose a new file name")
+    folder = os.path.dirname(os.fspath(path)) or os.curdir
+    if not os.path.isdir(folder):
+        raise LabError(f"cannot write {shown}: its folder does not exist")
+
+
 def run_command(args) -> dict:
     """Execute one parsed command and return its JSON-ready result."""
     if args.command == "estimate":
         return estimate(args.parameters, args.bits, args.reserve_gib)
     if args.command == "environment":
-        return environment(args.device)
+        return environment(args.device, usable_memory_figure=args.usable_memory)
     if args.command == "predict":
-        if args.workspace_bytes is None:
+        workspace = _workspace_from(args)
+        if workspace is None:
             return predict(_config_from(args))
-        return predict(_config_from(args), tuple(args.workspace_bytes), "given on the command line")
+        return predict(_config_from(args), workspace, "given on the command line")
     if args.command == "compare":
-        try:
-            document = json.loads(Path(args.measurement).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise LabError(f"cannot read {args.measurement}: {_safe_reason(exc)}") from None
-        ws = None if args.workspace_bytes is None else tuple(args.workspace_bytes)
-        return compare(document, ws)
-    config = _config_from(args).checked()
-    output = Path(args.output)
-    if output.exists():
-        raise LabError(f"{output} already exists; choose a new file name")
-    if not output.parent.is_dir():
-        raise LabError(f"folder {output.parent} does not exist")
+        workspace = _workspace_from(args)
+        document = read_measurement(args.measurement)
+        return compare(document, workspace)
+    config = _config_from(args)
+    _refuse_existing(args.output, "--output")
+    if args.failure_report is not None:
+        _refuse_existing(args.failure_report, "--failure-report")
     document = measure(config)
-    write_new_json(output, document)
-    return {"output": str(output), "phases": len(document["phases"])}
+    write_new_json(args.output, document)
+    return {"output": display_path(args.output), "phases": len(document["phases"])}
+
+
+TABLES = {"estimate": estimate_table, "environment": environment_table, "predict": predict_table,
+          "compare": compare_table}
+
+
+def _command_list() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
+    return "\n".join(["usage: mesure_memoire COMMAND [--help]", "commands:", *lines])
 
 
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(_command_list(), file=sys.stderr)
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)
     try:
         result = run_command(args)
@@ -1173,11 +1515,21 @@ def main(argv=None) -> int:
         print(f"mesure_memoire: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PhaseError as exc:
-        print(f"mesure_memoire: error: {exc}; no file written", file=sys.stderr)
+        note = "no file written"
+        if args.failure_report is not None:
+            try:
+                write_new_json(args.failure_report, exc.report())
+                note += f"; failure report: {display_path(args.failure_report)}"
+            except LabError as write_error:
+                note += f"; failure report not written: {write_error}"
+        print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
         return EXIT_PHASE
-    print(json.dumps(result, indent=2))
+    if getattr(args, "format", "json") == "table":
+        print(TABLES[args.command](result))
+    else:
+        print(json.dumps(result, indent=2))
     if args.command == "compare" and args.fail_on_difference and not result["allocated_exact"]:
-        return 1
+        return EXIT_FAILURE
     return EXIT_OK
 
 

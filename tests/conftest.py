@@ -105,3 +105,23 @@ plots_impl = _impl_fixture("lab_helpers/plots.py")
 def plots(plots_impl):
     """The plots module (library or notebook copy)."""
     return plots_impl[1]
+
+
+def full_measurement(mm, config, shift=0):
+    """A schema-valid measurement document whose counters are `config`'s prediction (a fixture:
+    no GPU made it). `shift` bytes are added to the last record's peak allocated."""
+    document = mm.predict(config)
+    for key in ("workspace", "reserved_assumptions"):
+        del document[key]
+    document["kind"] = "iteragpu-lab measurement"
+    document["environment"] = {
+        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
+        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+    for phase in document["phases"]:
+        phase.update(seconds=0.002, device_seconds=0.001)
+        if phase["phase"] == "warm_forward":
+            phase.update(achieved_tflops=1.5, host_to_device_time_ratio=2.0)
+    document["phases"][-1]["peak_allocated_bytes"] += shift
+    return document

@@ -80,7 +80,6 @@ def test_estimate_cli_prints_json(mm_script):
 
 # ------------------------------------------------------------ bad invocations
 BAD_INVOCATIONS = [
-    [],
     ["no-such-command"],
     ["estimate", "--bits", "16"],
     ["estimate", "--parameters", "0", "--bits", "16"],
@@ -121,6 +120,23 @@ def test_bad_invocation_exits_2_with_one_line(mm_script, tmp_path, argv):
     line = assert_one_line_error(run(mm_script, *argv, cwd=tmp_path))
     assert "error" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no file written
+
+
+def test_no_command_lists_the_five_commands(mm_script, tmp_path):
+    proc = run(mm_script, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    listed = [line.split()[0] for line in proc.stderr.splitlines() if line.startswith("  ")]
+    assert listed == ["estimate", "environment", "measure", "predict", "compare"]
+
+
+@pytest.mark.parametrize("command", ["estimate", "environment", "measure", "predict", "compare"])
+def test_each_command_help_has_a_description_and_an_example(mm_script, command):
+    proc = run(mm_script, command, "--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert "example:\n  python mesure_memoire.py " + command in proc.stdout
+    if command == "compare":
+        assert "default: 33554432 then 1048576 bytes, measured default: torch 2.11.0+cu130 on NVIDIA H200" \
+            in " ".join(proc.stdout.split())
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU refusal")

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import full_measurement
+
 MIB = 2**20
 # (batch, context, width, hidden, dtype) -> per phase (end allocated, peak allocated, end reserved, peak reserved)
 MEASURED_ON_H200 = [
@@ -119,7 +121,7 @@ def test_compare_exact_and_detects_workspace(mm):
 
 
 def test_compare_reports_a_difference(mm, mm_script, tmp_path):
-    doc = measurement_like(mm, mm.MeasureConfig(), shift=512)
+    doc = full_measurement(mm, mm.MeasureConfig(), shift=512)
     got = mm.compare(doc)
     assert got["allocated_exact"] is False
     assert got["rows"][-1]["difference_peak_allocated_bytes"] == 512
