@@ -274,6 +274,11 @@ def _write_new_bytes(path, data: bytes) -> None:
         raise _output_error(shown, exc) from None
 
 
+def write_new_bytes(path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all; refuse if `path` exists (see write_new_text)."""
+    _write_new_bytes(path, bytes(data))
+
+
 def write_new_text(path, text: str) -> None:
     """Write `text` (UTF-8) to `path` whole or not at all; refuse if `path` exists. The file gets the
     user's usual mode; any OS error is a LabError naming `path` as given."""

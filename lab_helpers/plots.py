@@ -1,11 +1,41 @@
-"""Tables and plots of one measurement (or prediction) per phase, in MiB."""
-import matplotlib.pyplot as plt
-import pandas as pd
+"""Tables and plots of one measurement (or prediction) per phase, in MiB.
 
+Each function takes a document (a dict) or the path of a measurement file, read and validated by
+mesure_memoire.read_measurement; synthetic and transformers measurements both work (phases only)."""
+import os
+
+# >>> library only
+from lab_helpers.mesure_memoire import LabError, read_measurement
+# <<< library only
+
+MISSING_PACKAGE = "{name} is not installed: run make lab (or pip install -r requirements.txt)"
 MIB = 2**20  # plots speak MiB: the allocator's segment sizes are whole MiB
 POINTS = ("baseline", "end", "peak")
 COUNTERS = ("allocated", "reserved")
 POINT_COLOURS = {"baseline": "#b0b0b0", "end": "#4c72b0", "peak": "#dd8452"}
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise LabError(MISSING_PACKAGE.format(name="matplotlib")) from None
+    return plt
+
+
+def _pandas():
+    try:
+        import pandas as pd
+    except ImportError:
+        raise LabError(MISSING_PACKAGE.format(name="pandas")) from None
+    return pd
+
+
+def _document(document) -> dict:
+    """`document` itself, or the measurement file it names."""
+    if isinstance(document, (str, os.PathLike)):
+        return read_measurement(document)
+    return document
 
 
 def phase_labels(phases) -> list:
@@ -13,9 +43,10 @@ def phase_labels(phases) -> list:
     return [p["phase"] if p.get("index") is None else f"{p['phase']} #{p['index']}" for p in phases]
 
 
-def phase_table(document) -> pd.DataFrame:
-    """One row per phase record: the six counters in MiB, and the times where measured."""
-    phases = document["phases"]
+def phase_table(document):
+    """One row per phase record: the six counters in MiB, and the times where measured (a DataFrame)."""
+    pd = _pandas()
+    phases = _document(document)["phases"]
     table = pd.DataFrame(index=pd.Index(phase_labels(phases), name="phase"))
     for counter in COUNTERS:
         for point in POINTS:
@@ -28,9 +59,9 @@ def phase_table(document) -> pd.DataFrame:
 
 def plot_phases(document, axes=None):
     """Bars of baseline, end and peak for allocated (left) and reserved (right), per phase."""
+    phases = _document(document)["phases"]
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-    phases = document["phases"]
+        _, axes = _pyplot().subplots(1, 2, figsize=(13, 4.5), sharey=True)
     labels = phase_labels(phases)
     width = 0.27
     for ax, counter in zip(axes, COUNTERS):
@@ -54,7 +85,7 @@ def plot_phases(document, axes=None):
 def plot_prediction(comparison, ax=None):
     """Measured against predicted peak allocated and peak reserved, per phase, in MiB."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(12, 4.5))
+        _, ax = _pyplot().subplots(figsize=(12, 4.5))
     rows = comparison["rows"]
     labels = phase_labels(rows)
     series = [("measured", "allocated", "#4c72b0"), ("predicted", "allocated", "#9ecae1"),

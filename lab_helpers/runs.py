@@ -2,19 +2,28 @@
 
     python -m lab_helpers.runs mesures-h100.json mesures-h200.json [--counter peak_reserved_bytes]
     python -m lab_helpers.runs mesures-*.json --csv runs.csv     # the tidy table, to a new file
+    python -m lab_helpers.runs mesures-*.json --plot runs.png    # grouped bars, to a new PNG file
 """
-import json
+import argparse
+import io
 import sys
 from pathlib import Path
 
-import pandas as pd
+try:
+    import pandas as pd
+except ImportError:  # the CLI says how to install it; the lab's set-up always has it
+    pd = None
 
 # >>> library only
-from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, LabError, _Parser, write_new_text  # _Parser: one-line errors
+from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, display_path,
+                                        read_measurement, write_new_bytes, write_new_text)
 # <<< library only
 
 ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")
-CONFIGURATION_COLUMNS = ("device", "batch", "context", "width", "hidden", "dtype", "warmup", "repeats", "seed")
+# synthetic and transformers files share the phases and the environment; a column the file's kind
+# does not have stays empty
+CONFIGURATION_COLUMNS = ("kind", "config_name", "device", "batch", "context", "width", "hidden", "dtype",
+                         "warmup", "repeats", "new_tokens", "seed")
 MODEL_COLUMNS = ("parameter_count", "parameter_bytes", "forward_flops")
 BYTE_COUNTERS = tuple(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak")
                       for counter in ("allocated", "reserved"))
@@ -22,57 +31,56 @@ PHASE_COLUMNS = ("phase", "index", "passes", "seconds", "device_seconds", *BYTE_
                  "achieved_tflops", "host_to_device_time_ratio")
 COLUMNS = ("run", *PHASE_COLUMNS, *CONFIGURATION_COLUMNS, *MODEL_COLUMNS, *ENVIRONMENT_COLUMNS)
 INT_COLUMNS = ("index", "passes", *BYTE_COUNTERS, "batch", "context", "width", "hidden", "warmup",
-               "repeats", "seed", *MODEL_COLUMNS)
+               "repeats", "new_tokens", "seed", *MODEL_COLUMNS)
 THROUGHPUT_COLUMNS = ("run", "index", "device_name", "dtype", "batch", "context", "width", "hidden",
                       "forward_flops", "seconds", "device_seconds", "achieved_tflops",
                       "host_to_device_time_ratio")
-MEASUREMENT_KIND = "iteragpu-lab measurement"
 WARM_FORWARD = "warm_forward"
 TERA = 1e12
 MIB = 2**20
 
 
-class RunsError(Exception):
+MISSING_PACKAGE = "{name} is not installed: run make lab (or pip install -r requirements.txt)"
+
+
+class RunsError(LabError):
     """A file that cannot be read as a measurement, or a refused output: one line, exit 2."""
 
 
-def _read(path: Path) -> dict:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RunsError(f"cannot read {path}: {type(exc).__name__}") from None
-    if not isinstance(document, dict) or document.get("kind") != MEASUREMENT_KIND:
-        raise RunsError(f"{path} is not a measurement file (kind must be {MEASUREMENT_KIND!r})")
-    return document
+def _require_pandas():
+    if pd is None:
+        raise RunsError(MISSING_PACKAGE.format(name="pandas"))
 
 
-def load_runs(paths) -> pd.DataFrame:
-    """Return one row per phase record of every file, with its run (file stem), configuration and environment."""
+def load_runs(paths) -> "pd.DataFrame":
+    """Return one row per phase record of every file, with its run (file stem), configuration and environment.
+    Each file is read and validated by read_measurement (synthetic or transformers)."""
+    _require_pandas()
     records, seen = [], set()
     for path in map(Path, paths):
         if path.stem in seen:
             raise RunsError(f"two files are named {path.stem!r}; rename one, the run is named after the file")
         seen.add(path.stem)
-        document = _read(path)
-        try:
-            shared = {"run": path.stem,
-                      **{k: document["configuration"][k] for k in CONFIGURATION_COLUMNS},
-                      **{k: document["synthetic_model"][k] for k in MODEL_COLUMNS},
-                      **{k: document["environment"].get(k) for k in ENVIRONMENT_COLUMNS}}
-            records += [{**shared, **{k: phase.get(k) for k in PHASE_COLUMNS}} for phase in document["phases"]]
-        except (KeyError, TypeError) as exc:
-            raise RunsError(f"{path} lacks a field of a measurement: {exc}") from None
+        document = read_measurement(path)
+        configuration = document["configuration"]
+        model = document.get("synthetic_model") or document.get("model") or {}
+        shared = {"run": path.stem,
+                  **{k: configuration.get(k) for k in CONFIGURATION_COLUMNS},
+                  "kind": configuration.get("kind", "synthetic"),
+                  **{k: model.get(k) for k in MODEL_COLUMNS},
+                  **{k: document["environment"].get(k) for k in ENVIRONMENT_COLUMNS}}
+        records += [{**shared, **{k: phase.get(k) for k in PHASE_COLUMNS}} for phase in document["phases"]]
     frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
     frame = frame.astype({column: "Int64" for column in INT_COLUMNS})
     return frame.astype({"achieved_tflops": "float64", "host_to_device_time_ratio": "float64"})
 
 
-def run_phase_labels(df: pd.DataFrame) -> pd.Series:
+def run_phase_labels(df: "pd.DataFrame") -> "pd.Series":
     """Label each record by its phase, with the repeat index for warm forwards: 'warm_forward #0'."""
     return df["phase"] + df["index"].map(lambda i: "" if pd.isna(i) else f" #{i}")
 
 
-def plot_runs(df: pd.DataFrame, counter: str = "peak_allocated_bytes", ax=None):
+def plot_runs(df: "pd.DataFrame", counter: str = "peak_allocated_bytes", ax=None):
     """Grouped bars: for each phase, one bar per run of `counter` in MiB, labelled; return the Axes."""
     table = memory_table(df, counter)
     if ax is None:
@@ -89,7 +97,7 @@ def plot_runs(df: pd.DataFrame, counter: str = "peak_allocated_bytes", ax=None):
     return ax
 
 
-def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
+def throughput_table(df: "pd.DataFrame") -> "pd.DataFrame":
     """One row per warm forward: network FLOPs, TFLOP/s from the device time, host/device time ratio."""
     warm = df[df["phase"] == WARM_FORWARD].reset_index(drop=True)
     table = warm[list(THROUGHPUT_COLUMNS)].copy()
@@ -98,7 +106,7 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def memory_table(df: pd.DataFrame, counter: str = "peak_allocated_bytes") -> pd.DataFrame:
+def memory_table(df: "pd.DataFrame", counter: str = "peak_allocated_bytes") -> "pd.DataFrame":
     """`counter` in bytes per phase (rows) and run (columns), phases in measured order."""
     if counter not in BYTE_COUNTERS:
         raise RunsError(f"counter must be one of {', '.join(BYTE_COUNTERS)}, got {counter!r}")
@@ -106,43 +114,78 @@ def memory_table(df: pd.DataFrame, counter: str = "peak_allocated_bytes") -> pd.
     return table.reindex(index=list(dict.fromkeys(run_phase_labels(df))), columns=list(dict.fromkeys(df["run"])))
 
 
-def write_new_csv(df: pd.DataFrame, path) -> None:
+def runs_csv_text(df) -> str:
+    """The tidy table as CSV text: numbers stay numbers, empty cells are empty, and no text cell can
+    start a spreadsheet formula (mesure_memoire.csv_text)."""
+    cells = df.astype(object).where(df.notna(), None)
+    return csv_text(list(df.columns), cells.itertuples(index=False, name=None))
+
+
+def write_new_csv(df, path) -> None:
     """Write `df` to `path` whole or not at all; refuse if `path` exists."""
+    write_new_text(path, runs_csv_text(df))
+
+
+def write_new_plot(df, path, counter: str = "peak_allocated_bytes") -> None:
+    """Draw plot_runs into a new PNG file at `path`, whole or not at all; refuse if `path` exists."""
     try:
-        write_new_text(path, df.to_csv(index=False, lineterminator="\n"))
-    except LabError as exc:
-        raise RunsError(str(exc)) from None
+        from matplotlib.figure import Figure  # no pyplot: no display needed
+    except ImportError:
+        raise RunsError(MISSING_PACKAGE.format(name="matplotlib")) from None
+    figure = Figure(figsize=(9, 4))
+    plot_runs(df, counter, ax=figure.subplots())
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    write_new_bytes(path, buffer.getvalue())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The runs command's parser."""
+    parser = CommandParser(prog="runs", description=__doc__.splitlines()[0],
+                           epilog="example:\n  python -m lab_helpers.runs mesures-h100.json mesures-h200.json "
+                                  "--counter peak_reserved_bytes --csv runs.csv --plot runs.png",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help="measurement JSON files (mesure_memoire measure, or real_model measure)")
+    parser.add_argument("--counter", choices=BYTE_COUNTERS, default="peak_allocated_bytes",
+                        help="counter of the per-phase table and of the bars (default peak_allocated_bytes)")
+    parser.add_argument("--csv", metavar="OUT", help="also write the tidy table to this new CSV file")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also draw the counter as grouped bars (one per run, per phase) into this new PNG file")
+    return parser
 
 
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = _Parser(prog="runs", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", metavar="FILE", help="measurement JSON files (mesure_memoire measure)")
-    parser.add_argument("--counter", choices=BYTE_COUNTERS, default="peak_allocated_bytes",
-                        help="counter of the per-phase table (default peak_allocated_bytes)")
-    parser.add_argument("--csv", metavar="OUT", help="also write the tidy table to this new CSV file")
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed
         return exc.code
     try:
-        if args.csv and Path(args.csv).exists():
-            raise RunsError(f"{args.csv} already exists; choose a new file name")
+        _require_pandas()
+        for output in (args.csv, args.plot):
+            if output is not None and Path(output).exists():
+                raise RunsError(f"{display_path(output)} already exists; choose a new file name")
         df = load_runs(args.files)
         if args.csv:
             write_new_csv(df, args.csv)
-    except (RunsError, OSError) as exc:
+        if args.plot:
+            write_new_plot(df, args.plot, args.counter)
+    except LabError as exc:
         print(f"runs: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     runs = df.drop_duplicates("run").set_index("run")
     with pd.option_context("display.width", 200, "display.max_columns", None):
-        print(runs[[*ENVIRONMENT_COLUMNS, "batch", "context", "width", "hidden", "dtype"]].to_string())
+        print(runs[[*ENVIRONMENT_COLUMNS, "kind", "batch", "context", "width", "hidden", "dtype"]].to_string())
         print(f"\n{args.counter} per phase:")
         print(memory_table(df, args.counter).to_string())
         print("\nwarm forward throughput:")
         print(throughput_table(df).to_string(index=False, float_format=lambda v: f"{v:.6g}"))
     if args.csv:
-        print(f"\ntidy table: {args.csv}")
+        print(f"\ntidy table: {display_path(args.csv)}")
+    if args.plot:
+        print(f"bars: {display_path(args.plot)}")
     return EXIT_OK
 
 

@@ -1,5 +1,10 @@
 """plots: tables and figures of a document with a measurement's layout (library and notebook copy)."""
+import json
+
 import matplotlib
+import pytest
+
+from conftest import full_measurement
 
 matplotlib.use("Agg")
 
@@ -48,3 +53,28 @@ def test_plot_prediction_marks_exact_and_differences(mm, plots):
     notes = [t.get_text() for t in ax.texts]
     assert notes == ["exact"] * 5 + ["+512 B"]
     assert len(ax.containers) == 4
+
+
+def test_a_path_is_read_and_validated(mm, plots, tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(full_measurement(mm, mm.MeasureConfig(batch=2, context=128, width=1024))))
+    table = plots.phase_table(str(path))
+    assert table.loc["cold_forward", "peak_reserved_mib"] == 88.0
+    assert list(table["seconds"]) == [0.002] * 6
+    axes = plots.plot_phases(path)
+    assert [bar.get_height() for bar in axes[1].containers[2]][2] == 88.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.loads(path.read_text()), "phases": [{"phase": "inputs"}]}))
+    with pytest.raises(Exception, match=r"bad.json: \$.phases\[0\]: lacks the required key 'index'") as caught:
+        plots.phase_table(str(bad))
+    assert type(caught.value).__name__ == "LabError"  # the library's or the notebook's own class
+
+
+def test_transformers_phases_plot_like_synthetic_ones(mm, plots):
+    doc = full_measurement(mm, mm.MeasureConfig())
+    doc["phases"] = doc["phases"][:5]
+    for phase, (name, index) in zip(doc["phases"], [("model_load", None), ("inputs", None), ("prefill", None),
+                                                    ("decode", 0), ("decode", 1)]):
+        phase.update(phase=name, index=index)
+    table = plots.phase_table(doc)
+    assert list(table.index) == ["model_load", "inputs", "prefill", "decode #0", "decode #1"]

@@ -66,10 +66,11 @@ def test_load_runs_is_one_row_per_phase_record(files):
         "run", "phase", "index", "passes", "seconds", "device_seconds",
         "baseline_allocated_bytes", "baseline_reserved_bytes", "end_allocated_bytes", "end_reserved_bytes",
         "peak_allocated_bytes", "peak_reserved_bytes", "achieved_tflops", "host_to_device_time_ratio",
-        "device", "batch", "context", "width", "hidden", "dtype", "warmup", "repeats", "seed",
-        "parameter_count", "parameter_bytes", "forward_flops",
+        "kind", "config_name", "device", "batch", "context", "width", "hidden", "dtype", "warmup", "repeats",
+        "new_tokens", "seed", "parameter_count", "parameter_bytes", "forward_flops",
         "device_name", "torch_version", "cuda_build_version", "compute_capability"]
-    assert df.shape == (6 + 7, 30)
+    assert df.shape == (6 + 7, 33)
+    assert set(df["kind"]) == {"synthetic"} and df["new_tokens"].isna().all() and df["config_name"].isna().all()
     assert list(df["run"]) == ["mesures-h100"] * 6 + ["mesures-h200"] * 7
     assert list(df["phase"][:6]) == ["model_load", "inputs", "cold_forward", "warmup", "warm_forward", "warm_forward"]
     assert df["index"].tolist()[:6] == [pd.NA] * 4 + [0, 1]
@@ -125,7 +126,7 @@ def test_same_stem_twice_and_non_measurement_are_refused(tmp_path, files):
         runs.load_runs([files[0], twin])
     bad = tmp_path / "prediction.json"
     bad.write_text(json.dumps(predict(MeasureConfig())))
-    with pytest.raises(runs.RunsError, match="not a measurement file"):
+    with pytest.raises(runs.LabError, match=r"prediction.json: \$: lacks the required key 'environment'"):
         runs.load_runs([bad])
 
 
@@ -151,3 +152,79 @@ def test_cli_refuses_to_overwrite_csv(tmp_path, files, capsys):
 def test_cli_missing_file_exits_2(tmp_path, capsys):
     assert runs.main([str(tmp_path / "absent.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def transformers_measurement() -> dict:
+    """A transformers-kind measurement: the common phases layout, its own configuration and model."""
+    document = measurement("mesures-h200")
+    del document["synthetic_model"]
+    document["configuration"] = {"kind": "transformers", "config_name": "llama-3.1-8b", "dtype": "bfloat16",
+                                 "batch": 1, "context": 128, "new_tokens": 2, "device": "cuda:0", "seed": 0,
+                                 "decode_record_every": 1}
+    document["model"] = {"architecture": "LlamaForCausalLM", "parameter_count": 8030261248,
+                         "parameter_bytes": 16060522496}
+    names = [("model_load", None), ("inputs", None), ("prefill", None), ("decode", 0), ("decode", 1)]
+    phases = document["phases"][:5]
+    for phase, (name, index) in zip(phases, names):
+        phase.update(phase=name, index=index)
+        phase.pop("achieved_tflops", None)
+        phase.pop("host_to_device_time_ratio", None)
+    document["phases"] = phases
+    jsonschema.validate(document, SCHEMA)
+    return document
+
+
+def test_transformers_files_sit_beside_synthetic_ones(tmp_path, files):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(transformers_measurement()), encoding="utf-8")
+    df = runs.load_runs([files[0], path])
+    llama = df[df["run"] == "llama"]
+    assert llama["phase"].tolist() == ["model_load", "inputs", "prefill", "decode", "decode"]
+    assert set(llama["kind"]) == {"transformers"} and set(llama["config_name"]) == {"llama-3.1-8b"}
+    assert llama["new_tokens"].tolist() == [2] * 5 and llama["width"].isna().all()
+    assert llama["parameter_count"].tolist() == [8030261248] * 5 and llama["forward_flops"].isna().all()
+    assert runs.memory_table(df).loc["decode #1", "llama"] == transformers_measurement()["phases"][4]["peak_allocated_bytes"]
+    assert len(runs.throughput_table(df)) == 2  # warm forwards of the synthetic run only
+
+
+def test_csv_cells_cannot_start_a_formula(tmp_path, files):
+    document = json.loads(files[0].read_text())
+    document["environment"]["device_name"] = "=HYPERLINK(\"http://x\")"
+    document["environment"]["torch_version"] = "-2+3"
+    hostile = tmp_path / "hostile.json"
+    hostile.write_text(json.dumps(document))
+    out = tmp_path / "runs.csv"
+    assert runs.main([str(hostile), "--csv", str(out)]) == 0
+    lines = out.read_text(encoding="utf-8").splitlines()
+    first = lines[1].split(",")
+    header = lines[0].split(",")
+    assert first[header.index("torch_version")] == "'-2+3"
+    assert "'=HYPERLINK" in lines[1]
+    assert first[header.index("peak_allocated_bytes")] == str(document["phases"][0]["peak_allocated_bytes"])
+    assert first[header.index("index")] == "" and first[header.index("config_name")] == ""
+
+
+def test_plot_option_writes_a_new_png_once(tmp_path, files, capsys):
+    out = tmp_path / "runs.png"
+    assert runs.main([*map(str, files), "--plot", str(out), "--counter", "peak_reserved_bytes"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert runs.main([*map(str, files), "--plot", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err and out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h100", "h200", "runs.png"]
+
+
+@pytest.mark.parametrize("module", ["pandas", "matplotlib"])
+def test_missing_optional_package_names_make_lab(tmp_path, files, module):
+    import subprocess
+    import sys
+    out = tmp_path / "runs.png"
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.path.insert(0, {str(ROOT)!r}); "
+            "from lab_helpers import runs; sys.exit(runs.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, files), "--plot", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"runs: error: {module} is not installed: run make lab (or pip install -r requirements.txt)\n"
+    assert not out.exists()
