@@ -127,6 +127,18 @@ def test_rebuild_with_identical_bytes_says_unchanged(fake_root, kit_zip, capsys)
     assert kit_zip.stat().st_mtime_ns == before
 
 
+def test_readme_states_the_rule_the_estimate_follows():
+    """The kit README's bytes-per-parameter rule is what `estimate` computes."""
+    from lab_helpers import mesure_memoire
+    text = (ROOT / kit.MEMBERS["README.md"]).read_text(encoding="utf-8")
+    assert "parameters × bits / 8" not in text
+    for bits, per_parameter in ((16, 2), (12, 2), (4, 1), (3, 1)):
+        assert f"{bits} → {per_parameter}" in text or f"{bits} bits → {per_parameter}" in text
+        result = mesure_memoire.estimate(1000, bits)
+        assert (result["bytes_per_parameter"], result["weight_bytes"]) == (per_parameter,
+                                                                          1000 * per_parameter)
+
+
 def test_refuses_to_overwrite_a_different_file_and_leaves_it(fake_root, tmp_path, capsys):
     output = tmp_path / "dist" / "kit.zip"
     output.parent.mkdir()
@@ -300,7 +312,9 @@ def test_kit_readme_covers_the_walkthrough():
                    "mesure_memoire.py measure", "mesure_memoire.py predict",
                    "mesure_memoire.py compare", "calcul_forfaits.py --gpu",
                    "illustrative, not quotes", "`allocated` is part of `reserved`",
-                   "two separate maxima", "jupyter lab mesure-memoire.ipynb", "MANIFEST.json"):
+                   "two separate maxima", "jupyter lab mesure-memoire.ipynb", "MANIFEST.json",
+                   "--allow-root", "rounded **up** to whole bytes", "4 → 1",
+                   "--format table", "memory/GPU (vendor GB)"):
         assert needle in text, needle
 
 
