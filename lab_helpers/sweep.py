@@ -4,75 +4,148 @@
     python -m lab_helpers.sweep --dimension context --start 256 --max 65536 --bisect --plot \\
         --width 1024 --dtype bfloat16 --output-dir balayage-context
 
-Stops at the first point that runs out of memory, or before a point whose predicted
-peak reserved bytes exceed the budget (default: the device's free memory). Writes one
-measurement file per point and summary.csv into a new folder.
+Refuses to start without a visible GPU. Stops before a point whose predicted peak reserved
+bytes exceed the budget (default: the device's usable memory), at the first point that runs
+out of memory, fails or exceeds its time limit. Writes one measurement file per point and
+summary.csv into a new folder.
 """
 import argparse
-import csv
 import json
+import linecache
+import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 # >>> library only
 # the notebook drops this block: its mesure_memoire cell, run before this one, defines these names
-from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, GIB, LabError, MeasureConfig,
-                                        _add_size_flags, _non_negative_int, _number, _Parser,
-                                        _positive_int, predict)
+from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_PHASE, EXIT_USAGE, GIB, MAX_BATCH,
+                                        MAX_CONTEXT, MAX_HIDDEN, MAX_SEED, MAX_WIDTH, CommandParser, LabError,
+                                        MeasureConfig, add_size_flags, csv_text, decimal_number, display_path,
+                                        predict, read_json_file, read_measurement, replace_text, whole_number)
 # <<< library only
 
 DIMENSIONS = ("batch", "context", "width", "hidden")
-MEASURE_SCRIPT = "mesure_memoire.py"
-SCRIPT_FOLDERS = (".", "lab_helpers", os.path.join("..", "lab_helpers"))  # tried from the cwd
+SIZE_LIMITS = {"batch": MAX_BATCH, "context": MAX_CONTEXT, "width": MAX_WIDTH, "hidden": MAX_HIDDEN}
 SUMMARY_NAME = "summary.csv"
 PLOT_NAME = "sweep.png"
 SUMMARY_COLUMNS = ("dimension", "value", "stage", "status", "reason",
                    "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
                    "measured_peak_allocated_bytes", "measured_peak_reserved_bytes", "file")
 BYTE_COLUMNS = SUMMARY_COLUMNS[5:9]
-OK, OOM, OVER_BUDGET, ERROR = "ok", "oom", "over_budget", "error"
-MEMORY_FAILURE = re.compile(r"OutOfMemoryError|out of memory|ALLOC_FAILED", re.IGNORECASE)
-EXIT_STOPPED_ON_ERROR = 1  # a point failed for a reason other than memory
+OK, OOM, OVER_BUDGET, ERROR, TIMEOUT = "ok", "oom", "over_budget", "error", "timeout"
+SWEEP, BISECT, CONFIRM = "sweep", "bisect", "confirm"
+DEFAULT_POINT_TIMEOUT_SECONDS = 1800  # a point of the synthetic network takes seconds; this catches a hang
+ENVIRONMENT_TIMEOUT_SECONDS = 600  # environment probes usable memory in its own child, within 180 s
+FAILURE_REPORT_KIND = "iteragpu-lab measure failure"
+OUT_OF_MEMORY = "out_of_memory"
+MEASURE_COPY_NAME = "mesure_memoire.py"  # written only when the measuring code is not on disk
+MAIN_BLOCK = re.compile(r"""^if __name__ == ['"]__main__['"]:""", re.MULTILINE)  # a script's entry point
 MAX_REASON_CHARS = 300
+MAX_CHILD_OUTPUT_BYTES = 2**20  # an environment report is a few KiB; stderr's last line is what counts
 MIB = 2**20
 
 
 class SweepError(Exception):
-    """A bad sweep request: one line, exit code 2."""
+    """A bad sweep request: one line, exit code 2, nothing created."""
 
 
-def default_measure_script() -> Path:
-    """Return mesure_memoire.py: next to this file, else in the cwd, ./lab_helpers or ../lab_helpers."""
-    here = globals().get("__file__")  # undefined when this code runs in a notebook cell
-    candidates = [Path(here).resolve().parent / MEASURE_SCRIPT] if here else []
-    candidates += [Path(folder) / MEASURE_SCRIPT for folder in SCRIPT_FOLDERS]
-    for path in candidates:
-        if path.is_file():
-            return path.resolve()
-    raise SweepError(f"cannot find {MEASURE_SCRIPT} (looked in: {', '.join(map(str, candidates))})")
+# ------------------------------------------------------------ child processes
+def run_child(argv, timeout_seconds):
+    """Run `argv` in its own process group; return (exit code, stdout, stderr), exit code None when it
+    was killed at `timeout_seconds`. The group is ended once the child is done, so no grandchild keeps
+    the GPU; output goes through files, so a grandchild holding a pipe open cannot stall the sweep."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # an interrupted notebook cell must not leave a child on the GPU either
+            _kill_group(process)
+        return code, _tail(out, MAX_CHILD_OUTPUT_BYTES), _tail(err, MAX_CHILD_OUTPUT_BYTES)
 
 
-def free_memory_bytes(device: str) -> int:
-    """Free bytes on `device` as seen by mesure_memoire.environment in a fresh process."""
-    # a child process, so that this one never holds a CUDA context during the sweep
-    command = [sys.executable, str(default_measure_script()), "environment", "--device", device]
-    result = subprocess.run(command, capture_output=True, text=True)
+def _kill_group(process) -> None:
     try:
-        free = json.loads(result.stdout).get("free_memory_bytes") if result.returncode == 0 else None
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):  # AttributeError: no killpg (Windows)
+        if process.poll() is None:
+            process.kill()
+    process.wait()
+
+
+def _tail(handle, limit: int) -> str:
+    """The last `limit` bytes written to `handle`, as text."""
+    size = handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, size - limit))
+    return handle.read().decode("utf-8", errors="replace")
+
+
+def measuring_program(workdir, measure_source=None) -> list:
+    """Return the argv prefix that runs the measuring code (`mesure_memoire`): the file that defines
+    `predict` when it is on disk; otherwise that code's source (`measure_source`, or the notebook
+    cell that defined `predict`, which the kernel keeps in linecache) copied into `workdir`."""
+    if measure_source is None:
+        origin = predict.__code__.co_filename
+        if os.path.isfile(origin):
+            text = Path(origin).read_text(encoding="utf-8")
+            if MAIN_BLOCK.search(text):
+                return [sys.executable, str(Path(origin).resolve())]
+        measure_source = "".join(linecache.getlines(origin))
+        if "def main(" not in measure_source:
+            raise SweepError("cannot find the measuring code (mesure_memoire.py): run the mesure_memoire "
+                             "cell first, or pass measure_source= its text")
+    if not isinstance(measure_source, str) or not measure_source.strip():
+        raise SweepError(f"measure_source must be the text of mesure_memoire.py, got {_short(measure_source)}")
+    script = Path(workdir) / MEASURE_COPY_NAME
+    # a notebook cell holds the module without its __main__ block: give it one
+    trailer = "" if MAIN_BLOCK.search(measure_source) else "\n\nif __name__ == '__main__':\n    raise SystemExit(main())\n"
+    script.write_text(measure_source + trailer, encoding="utf-8")
+    return [sys.executable, str(script)]
+
+
+def read_environment(program, device, usable_memory=True, timeout_seconds=ENVIRONMENT_TIMEOUT_SECONDS) -> dict:
+    """Return the `environment` report of `device`, run in a child so this process holds no CUDA context;
+    `usable_memory=False` skips the probe of usable memory (a budget was given)."""
+    argv = [*program, "environment", "--device", device, *([] if usable_memory else ["--no-usable-memory"])]
+    code, stdout, stderr = run_child(argv, timeout_seconds)
+    if code is None:
+        raise SweepError(f"the environment of {device} gave no answer within {timeout_seconds} s")
+    try:
+        report = json.loads(stdout) if code == EXIT_OK else None
     except ValueError:
-        free = None
-    if free is None:
-        raise SweepError(f"no GPU visible at {device}: give --budget-gib to sweep against a fixed budget")
-    return int(free)
+        report = None
+    if not isinstance(report, dict):
+        raise SweepError(f"cannot read the environment of {device}: "
+                         f"{_last_line(stderr) or f'exit code {code}, no JSON report'}")
+    return report
 
 
+def budget_bytes(report, device, budget_gib=None) -> int:
+    """The budget in bytes: `budget_gib`, else the usable memory `report` gives; refuse without a GPU."""
+    if report.get("device_visible") is not True:
+        why = report.get("device_unavailable_reason") or report.get("torch_unavailable_reason") or "not visible"
+        raise SweepError(f"no GPU is visible at {device} ({_one_line(why)}); a sweep measures every point on "
+                         "the GPU, never on the CPU")
+    if budget_gib is not None:
+        return int(budget_gib * GIB)
+    usable = report.get("usable_memory_bytes")
+    if isinstance(usable, bool) or not isinstance(usable, int) or usable <= 0:
+        why = report.get("usable_memory_unavailable_reason") or f"usable_memory_bytes is {usable!r}"
+        raise SweepError(f"the usable memory of {device} is unknown ({_one_line(why)}); give --budget-gib")
+    return usable
+
+
+# ------------------------------------------------------------------- points
 def sweep_values(values=None, start=None, maximum=None) -> list:
     """Return the points: `values` as given (strictly increasing) or start, 2*start, ... <= maximum."""
     if (values is None) == (start is None) or (values is not None and maximum is not None):
@@ -80,141 +153,299 @@ def sweep_values(values=None, start=None, maximum=None) -> list:
     if values is None:
         if maximum is None:
             raise SweepError("start needs max: the last value allowed when doubling")
-        if not 0 < start <= maximum:
-            raise SweepError(f"need 0 < start <= max, got start={start} max={maximum}")
+        if not all(_is_whole(v) for v in (start, maximum)) or not 0 < start <= maximum:
+            raise SweepError(f"need whole numbers 0 < start <= max, got start={start!r} max={maximum!r}")
         values = [start]
         while values[-1] * 2 <= maximum:
             values.append(values[-1] * 2)
-    if not values or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in values):
-        raise SweepError(f"values must be positive integers, got {list(values)}")
+    values = list(values) if isinstance(values, (list, tuple, range)) else values
+    if not isinstance(values, list) or not values or not all(_is_whole(v) and v > 0 for v in values):
+        raise SweepError(f"values must be positive whole numbers, got {_short(values)}")
     if any(b <= a for a, b in zip(values, values[1:])):
-        raise SweepError(f"values must be strictly increasing, got {list(values)}")
-    return list(values)
+        raise SweepError(f"values must be strictly increasing, got {_short(values)}")
+    return values
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:MAX_REASON_CHARS] if lines else ""
+def predicted_peaks(config) -> tuple:
+    """(peak allocated, peak reserved) bytes predicted for `config`, the largest over the phases."""
+    phases = predict(config)["phases"]
+    return max(p["peak_allocated_bytes"] for p in phases), max(p["peak_reserved_bytes"] for p in phases)
 
 
-def measure_point(config, dimension, value, folder, budget, command, stage) -> dict:
+def largest_predicted_fit(config, dimension, low, high, budget) -> int:
+    """Bisect on the prediction alone: the largest value in [low, high) whose predicted peak reserved
+    fits `budget`, given that `low` fits (or is 0) and `high` does not."""
+    while high - low > 1:
+        middle = (low + high) // 2
+        if predicted_peaks(replace(config, **{dimension: middle}))[1] <= budget:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def measure_point(config, dimension, value, folder, budget, program, stage,
+                  timeout_seconds=DEFAULT_POINT_TIMEOUT_SECONDS, report_path=None) -> dict:
     """Predict, then (within budget) measure one point in a fresh process; return its summary row."""
     point = replace(config, **{dimension: value}).checked()
-    phases = predict(point)["phases"]
     row = dict.fromkeys(SUMMARY_COLUMNS)  # None: not measured
-    row.update(reason="", file="", dimension=dimension, value=value, stage=stage,
-               predicted_peak_allocated_bytes=max(p["peak_allocated_bytes"] for p in phases),
-               predicted_peak_reserved_bytes=max(p["peak_reserved_bytes"] for p in phases))
-    if row["predicted_peak_reserved_bytes"] > budget:
-        row.update(status=OVER_BUDGET, reason=f"predicted peak reserved "
-                   f"{row['predicted_peak_reserved_bytes']} bytes > budget {budget} bytes; not run")
+    allocated, reserved = predicted_peaks(point)
+    row.update(dimension=dimension, value=value, stage=stage, reason="", file="",
+               predicted_peak_allocated_bytes=allocated, predicted_peak_reserved_bytes=reserved)
+    if reserved > budget:
+        row.update(status=OVER_BUDGET, reason=f"predicted peak reserved {reserved} bytes > budget {budget} bytes; not run")
         return row
     path = Path(folder) / f"{dimension}-{value}.json"
+    report = Path(report_path) if report_path is not None else Path(folder) / f".{path.stem}.failure.json"
     flags = ["--device", point.device, "--batch", point.batch, "--context", point.context,
              "--width", point.width, "--hidden", point.hidden, "--dtype", point.dtype,
              "--warmup", point.warmup, "--repeats", point.repeats, "--seed", point.seed]
-    result = subprocess.run([*map(str, command), *map(str, flags), "--output", str(path)],
-                            capture_output=True, text=True)
-    reason = _last_line(result.stderr) or f"exit code {result.returncode}"
     try:
-        measured = json.loads(path.read_text(encoding="utf-8"))["phases"] if result.returncode == EXIT_OK else None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        measured, reason = None, f"exit code 0 but no readable measurement file ({type(exc).__name__})"
-    if not measured:
-        memory = result.returncode == EXIT_PHASE and MEMORY_FAILURE.search(reason)
-        row.update(status=OOM if memory else ERROR, reason=reason)
+        code, _, stderr = run_child([*program, "measure", *flags, "--output", path, "--failure-report", report],
+                                    timeout_seconds)
+        status, reason, document = _outcome(code, stderr, path, report, point, timeout_seconds)
+    finally:
+        _remove(report)
+    if status != OK:
+        # a failed point leaves no file: the folder holds measurements only
+        _remove(path)
+        for stray in Path(folder).glob(f".{path.name}.*"):
+            _remove(stray)
+        row.update(status=status, reason=reason)
         return row
+    phases = document["phases"]
     row.update(status=OK, file=path.name,
-               measured_peak_allocated_bytes=max(p["peak_allocated_bytes"] for p in measured),
-               measured_peak_reserved_bytes=max(p["peak_reserved_bytes"] for p in measured))
+               measured_peak_allocated_bytes=max(p["peak_allocated_bytes"] for p in phases),
+               measured_peak_reserved_bytes=max(p["peak_reserved_bytes"] for p in phases))
     return row
 
 
-def write_summary(rows, folder) -> Path:
-    """Write summary.csv in `folder` whole, through a temporary file renamed over it."""
-    path = Path(folder) / SUMMARY_NAME
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{SUMMARY_NAME}.", suffix=".tmp")
+def _outcome(code, stderr, path, report, point, timeout_seconds) -> tuple:
+    """(status, reason, document) of a finished measure child; OK only for a valid file of this point."""
+    if code is None:
+        return TIMEOUT, f"no result within {timeout_seconds} s; its process group was killed", None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return ERROR, f"measure was killed by {name}", None
+    if code == EXIT_PHASE:
+        return (*_failure_report_outcome(report, stderr), None)
+    if code != EXIT_OK:
+        return ERROR, _last_line(stderr) or f"measure exited with code {code}", None
+    if not os.path.lexists(path):
+        return ERROR, f"measure exited with code 0 but wrote no {path.name}", None
     try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        document = read_measurement(path)
+    except LabError as exc:
+        return ERROR, _one_line(f"not a valid measurement: {exc}"), None
+    expected = asdict(point)
+    found = {key: document["configuration"].get(key) for key in expected}
+    if found != expected:
+        wrong = [f"{key}={found[key]!r} (expected {expected[key]!r})" for key in expected if found[key] != expected[key]]
+        return ERROR, _one_line(f"{path.name} measures another configuration: {', '.join(wrong)}"), None
+    return OK, "", document
+
+
+def _failure_report_outcome(report, stderr) -> tuple:
+    """measure exited 3: its failure report says whether the phase ran out of memory."""
+    try:
+        document = read_json_file(report, max_bytes=2**20)
+    except LabError:
+        document = None
+    if not (isinstance(document, dict) and document.get("kind") == FAILURE_REPORT_KIND
+            and isinstance(document.get("reason"), str)):
+        return ERROR, _one_line(f"measure exited with code 3 without a readable failure report; "
+                                f"{_last_line(stderr) or 'nothing on stderr'}")
+    message = document.get("message") if isinstance(document.get("message"), str) else ""
+    phase = document.get("phase") if isinstance(document.get("phase"), str) else "?"
+    reason = _one_line(f"phase {phase}: {message or document['reason']}")
+    return (OOM if document["reason"] == OUT_OF_MEMORY else ERROR), reason
+
+
+def _remove(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ------------------------------------------------------------------ summary
+def summary_text(rows) -> str:
+    """The summary.csv text of `rows` (formula-safe, numbers as numbers, None as empty)."""
+    return csv_text(SUMMARY_COLUMNS, [[row[key] for key in SUMMARY_COLUMNS] for row in rows])
+
+
+def write_summary(rows, folder) -> Path:
+    """Replace summary.csv in `folder` whole (temporary file, then rename)."""
+    path = Path(folder) / SUMMARY_NAME
+    replace_text(path, summary_text(rows))
     return path
 
 
 def read_summary(path) -> list:
     """Read a summary.csv back into rows, byte counts as int (None where not measured)."""
+    import csv
     with open(path, newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     for row in rows:
+        for key, text in row.items():  # undo csv_text's guard against spreadsheet formulas
+            if text[:1] == "'" and text[1:2] in ("=", "+", "-", "@", "\t", "\r"):
+                row[key] = text[1:]
         row["value"] = int(row["value"])
         for key in BYTE_COLUMNS:
             row[key] = int(row[key]) if row[key] != "" else None
     return rows
 
 
-def run_sweep(dimension, output_dir, values=None, start=None, maximum=None, config=None,
-              budget_gib=None, bisect=False, measure_command=None, progress=True) -> list:
-    """Measure `dimension` at each value until one fails or is over budget; return the summary rows."""
+# -------------------------------------------------------------------- sweep
+def _check_request(dimension, values, start, maximum, config, budget_gib, point_timeout_seconds):
+    """Validate a sweep request once; return (points, config). Raise SweepError on any fault."""
     if dimension not in DIMENSIONS:
-        raise SweepError(f"dimension must be one of {', '.join(DIMENSIONS)}, got {dimension!r}")
+        raise SweepError(f"dimension must be one of {', '.join(DIMENSIONS)}, got {_short(dimension)}")
     points = sweep_values(values, start, maximum)
+    if points[-1] > SIZE_LIMITS[dimension]:
+        raise SweepError(f"{dimension} must be at most {SIZE_LIMITS[dimension]}, got {_short(points[-1])}")
     config = config if config is not None else MeasureConfig()
+    if not isinstance(config, MeasureConfig):
+        raise SweepError(f"config must be a MeasureConfig, got {type(config).__name__}")
     try:
-        replace(config, **{dimension: points[0]}).checked()
+        for value in points:  # a MeasureConfig validates itself when built
+            replace(config, **{dimension: value})
     except LabError as exc:
-        raise SweepError(str(exc)) from None
-    if budget_gib is not None and not 0 < budget_gib < float("inf"):
-        raise SweepError(f"budget must be > 0 GiB, got {budget_gib}")
-    folder = Path(output_dir)
-    if folder.exists():
-        raise SweepError(f"{folder} already exists; choose a new folder")
-    command = measure_command or [sys.executable, str(default_measure_script()), "measure"]
-    budget = int(budget_gib * GIB) if budget_gib is not None else free_memory_bytes(config.device)
+        raise SweepError(f"{dimension}={value}: {exc}") from None
+    if budget_gib is not None:
+        if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) \
+                or not 0 < budget_gib < math.inf:
+            raise SweepError(f"budget must be > 0 GiB and finite, got {_short(budget_gib)}")
+        if int(budget_gib * GIB) < 1:
+            raise SweepError(f"budget must be at least one byte, got {budget_gib} GiB")
+    if isinstance(point_timeout_seconds, bool) or not isinstance(point_timeout_seconds, (int, float)) \
+            or not 0 < point_timeout_seconds < math.inf:
+        raise SweepError(f"point timeout must be > 0 seconds and finite, got {_short(point_timeout_seconds)}")
+    return points, config
+
+
+def _check_output_dir(folder: Path) -> None:
+    """Refuse, before anything runs, a folder that exists or cannot be made; mkdir checks again."""
+    shown = display_path(folder)
+    if os.path.lexists(folder):
+        raise SweepError(f"{shown} already exists; choose a new folder")
+    parent = folder.parent
+    if not parent.is_dir():
+        why = "a parent is not a folder" if os.path.lexists(parent) else "its parent folder does not exist"
+        raise SweepError(f"cannot create {shown}: {why}")
     try:
-        folder.mkdir(parents=True)  # exclusive: fails if another run took the name meanwhile
+        longest = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        longest = 255
+    if len(os.fsencode(folder.name)) > longest:
+        raise SweepError(f"cannot create {shown}: its name is longer than {longest} bytes")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SweepError(f"cannot create {shown}: its parent folder is not writable")
+
+
+def _make_output_dir(folder: Path) -> None:
+    shown = display_path(folder)
+    try:
+        folder.mkdir()  # exclusive, and no missing parent is made up
     except FileExistsError:
-        raise SweepError(f"{folder} already exists; choose a new folder") from None
+        raise SweepError(f"{shown} already exists; choose a new folder") from None
+    except OSError as exc:
+        raise SweepError(f"cannot create {shown}: {_one_line(exc.strerror or type(exc).__name__)}") from None
+
+
+def run_sweep(dimension, output_dir, values=None, start=None, maximum=None, config=None,
+              budget_gib=None, bisect=False, measure_command=None, progress=True,
+              point_timeout_seconds=DEFAULT_POINT_TIMEOUT_SECONDS, measure_source=None) -> list:
+    """Measure `dimension` at each value until one does not fit or fails; return the summary rows.
+
+    `measure_command`: argv prefix running the measuring program, to which the sweep appends
+    `environment ...` once, then `measure ...` per point (default: this Python and mesure_memoire.py,
+    or `measure_source` copied to a temporary file when the code is not on disk)."""
+    points, config = _check_request(dimension, values, start, maximum, config, budget_gib, point_timeout_seconds)
+    folder = Path(output_dir)
+    _check_output_dir(folder)
+    with tempfile.TemporaryDirectory(prefix="sweep-") as workdir:
+        program = list(measure_command) if measure_command else measuring_program(workdir, measure_source)
+        report = read_environment(program, config.device, usable_memory=budget_gib is None)
+        budget = budget_bytes(report, config.device, budget_gib)
+        _make_output_dir(folder)
+        return _run_points(dimension, folder, points, config, budget, bisect, program, progress,
+                           point_timeout_seconds, workdir)
+
+
+def _run_points(dimension, folder, points, config, budget, bisect, program, progress, timeout, workdir) -> list:
     rows = []
+    done = {}  # value -> its row, for the values measured ok
     with tqdm(total=len(points), desc=f"sweep {dimension}", unit="point", disable=not progress) as bar:
         def run(value, stage):
             bar.set_postfix_str(f"{dimension}={value}")
-            rows.append(measure_point(config, dimension, value, folder, budget, command, stage))
+            report = Path(workdir) / f"failure-{len(rows)}.json"
+            row = measure_point(config, dimension, value, folder, budget, program, stage, timeout, report)
+            rows.append(row)
             write_summary(rows, folder)
             bar.update()
-            return rows[-1]["status"]
+            if row["status"] == OK:
+                done[value] = row
+            return row["status"]
 
-        fitted = None
+        def confirm(value):
+            bar.total += 1
+            if value not in done:
+                return run(value, CONFIRM)
+            # already measured in a fresh process during the sweep: that measurement confirms it
+            rows.append({**done[value], "stage": CONFIRM})
+            write_summary(rows, folder)
+            bar.update()
+            return OK
+
+        def measured_bisection(fitted, failed):
+            while failed - fitted > 1:
+                bar.total += 1
+                middle = (fitted + failed) // 2
+                status = run(middle, BISECT)
+                if status in (ERROR, TIMEOUT):
+                    return
+                fitted, failed = (middle, failed) if status == OK else (fitted, middle)
+
+        fitted = 0  # the largest value that fit so far; 0: none yet
         for value in points:
-            status = run(value, "sweep")
+            status = run(value, SWEEP)
             if status != OK:
                 break
             fitted = value
         else:
             return rows
-        if bisect and fitted is not None and status in (OOM, OVER_BUDGET):
-            failed = value
-            while failed - fitted > 1:
-                bar.total += 1
-                middle = (fitted + failed) // 2
-                status = run(middle, "bisect")
-                if status == ERROR:
-                    break
-                fitted, failed = (middle, failed) if status == OK else (fitted, middle)
+        if not bisect or status not in (OOM, OVER_BUDGET):
+            return rows
+        if status == OOM:  # predicted to fit, yet out of memory: the prediction cannot find this limit
+            measured_bisection(fitted, value)
+            return rows
+        best = largest_predicted_fit(config, dimension, fitted, value, budget)
+        if best == 0:  # not even 1 is predicted to fit
+            return rows
+        status = confirm(best)  # must fit...
+        if status == OK:
+            bar.total += 1
+            run(best + 1, CONFIRM)  # ...and the next value must not: refused by the prediction
+        elif status == OOM:  # the GPU refused what the prediction allowed: measure instead
+            measured_bisection(fitted, best)
     return rows
 
 
+# --------------------------------------------------------------------- plot
 def plot_sweep(summary, ax=None):
     """Plot measured peak allocated/reserved MiB against the dimension, the prediction beside it."""
     rows = read_summary(summary) if isinstance(summary, (str, os.PathLike)) else list(summary)
     if ax is None:
         import matplotlib.pyplot as plt
         ax = plt.subplots(figsize=(7, 4))[1]
-    rows = sorted(rows, key=lambda r: int(r["value"]))
+    unique = {}
+    for row in rows:  # a confirmation repeats a value: keep its first row
+        unique.setdefault(int(row["value"]), row)
+    rows = [unique[v] for v in sorted(unique)]
     done = [r for r in rows if r["status"] == OK]
     failed = [r for r in rows if r["status"] in (OOM, OVER_BUDGET)]
     for counter, color in (("allocated", "tab:blue"), ("reserved", "tab:orange")):
@@ -236,23 +467,36 @@ def plot_sweep(summary, ax=None):
     return ax
 
 
+# ---------------------------------------------------------------------- CLI
 def build_sweep_parser() -> argparse.ArgumentParser:
     """Return the sweep command-line parser."""
-    parser = _Parser(prog="sweep", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--dimension", required=True, choices=DIMENSIONS, help="the size to increase")
     points = parser.add_mutually_exclusive_group(required=True)
-    points.add_argument("--values", type=_positive_int, nargs="+", metavar="N", help="the points, increasing")
-    points.add_argument("--start", type=_positive_int, help="first point; then doubles up to --max")
-    parser.add_argument("--max", type=_positive_int, dest="maximum", help="last point allowed when doubling")
-    parser.add_argument("--budget-gib", type=_number, default=None,
-                        help="skip points whose predicted peak reserved exceeds this (default: free device memory)")
+    largest = max(SIZE_LIMITS.values())
+    points.add_argument("--values", type=whole_number(minimum=1, maximum=largest), nargs="+", metavar="N",
+                        help="the points: whole numbers, strictly increasing")
+    points.add_argument("--start", type=whole_number(minimum=1, maximum=largest), metavar="N",
+                        help="first point; then doubles up to --max")
+    parser.add_argument("--max", type=whole_number(minimum=1, maximum=largest), dest="maximum", metavar="M",
+                        help="last point allowed when doubling")
+    parser.add_argument("--budget-gib", type=decimal_number(minimum=0), default=None, metavar="GIB",
+                        help="skip points whose predicted peak reserved exceeds this many GiB "
+                             "(default: the device's usable memory, as environment reports it)")
     parser.add_argument("--bisect", action="store_true",
-                        help="then find the largest value that fits, between the last fit and the first failure")
+                        help="then find the largest value that fits: by the prediction, confirmed on the GPU "
+                             "(measured bisection when the GPU ran out of memory first)")
+    parser.add_argument("--point-timeout-seconds", type=whole_number(minimum=1, maximum=7 * 24 * 3600),
+                        default=DEFAULT_POINT_TIMEOUT_SECONDS, metavar="S",
+                        help="kill a point's process group after S seconds and stop, status timeout "
+                             f"(default {DEFAULT_POINT_TIMEOUT_SECONDS})")
     parser.add_argument("--output-dir", required=True, help="new folder for the files; never overwritten")
     parser.add_argument("--plot", action="store_true", help=f"also save {PLOT_NAME} in the folder")
+    parser.add_argument("--json", action="store_true", help="print the summary rows as JSON instead of a table")
     parser.add_argument("--device", default="cuda:0", help="device to measure on, cuda:N (default cuda:0)")
-    _add_size_flags(parser)
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the weights and inputs (default 0)")
+    add_size_flags(parser)  # a swept width moves hidden with it (4 x width) unless --hidden is given
+    parser.add_argument("--seed", type=whole_number(minimum=0, maximum=MAX_SEED), default=0,
+                        help="seed of the weights and inputs (default 0)")
     return parser
 
 
@@ -264,22 +508,54 @@ def main(argv=None) -> int:
         return exc.code
     sizes = {k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__}
     try:
+        try:
+            config = MeasureConfig(**sizes)
+        except LabError as exc:
+            raise SweepError(str(exc)) from None
         rows = run_sweep(args.dimension, args.output_dir, args.values, args.start, args.maximum,
-                         MeasureConfig(**sizes), args.budget_gib, args.bisect)
+                         config, args.budget_gib, args.bisect, progress=sys.stderr.isatty(),
+                         point_timeout_seconds=args.point_timeout_seconds)
+        if args.plot:
+            from matplotlib.figure import Figure
+            figure = Figure(figsize=(7, 4))
+            plot_sweep(rows, figure.add_subplot())
+            figure.savefig(Path(args.output_dir) / PLOT_NAME, dpi=120, bbox_inches="tight")
     except SweepError as exc:
         print(f"sweep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.plot:
-        from matplotlib.figure import Figure
-        figure = Figure(figsize=(7, 4))
-        plot_sweep(rows, figure.add_subplot())
-        figure.savefig(Path(args.output_dir) / PLOT_NAME, dpi=120, bbox_inches="tight")
-    for row in rows:
-        print(f"{row['dimension']}={row['value']:<8} {row['status']:<12} {row['reason'] or row['file']}")
+    except (LabError, OSError) as exc:  # the folder vanished or filled up mid-sweep
+        text = str(exc) if isinstance(exc, LabError) else f"{exc.strerror or type(exc).__name__}"
+        print(f"sweep: error: {_one_line(text)} (in {display_path(args.output_dir)})", file=sys.stderr)
+        return EXIT_FAILURE
     fits = [row["value"] for row in rows if row["status"] == OK]
-    print(f"largest {args.dimension} measured that fit: {max(fits) if fits else 'none'}")
-    print(f"summary: {Path(args.output_dir) / SUMMARY_NAME}")
-    return EXIT_STOPPED_ON_ERROR if rows[-1]["status"] == ERROR else EXIT_OK
+    summary = display_path(Path(args.output_dir) / SUMMARY_NAME)
+    if args.json:
+        print(json.dumps({"rows": rows, "largest_fit": max(fits) if fits else None, "summary": summary}, indent=2))
+    else:
+        for row in rows:
+            print(f"{row['dimension']}={row['value']:<8} {row['stage']:<8} {row['status']:<12} "
+                  f"{row['reason'] or row['file']}")
+        print(f"largest {args.dimension} measured that fit: {max(fits) if fits else 'none'}")
+        print(f"summary: {summary}")
+    return EXIT_FAILURE if rows[-1]["status"] in (ERROR, TIMEOUT) else EXIT_OK
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:MAX_REASON_CHARS] if lines else ""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:MAX_REASON_CHARS]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 if __name__ == "__main__":

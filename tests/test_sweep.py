@@ -1,7 +1,9 @@
-"""The sweep, driven through a fake measure command (no GPU needed)."""
+"""The sweep, driven through a fake measuring program (no GPU needed)."""
 import json
-import re
+import linecache
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -10,68 +12,155 @@ import pytest
 
 matplotlib.use("Agg")
 
-from conftest import cuda_available  # noqa: E402
 from lab_helpers import notebook_sync  # noqa: E402
 from lab_helpers import sweep  # noqa: E402
-from lab_helpers.mesure_memoire import GIB, MeasureConfig, predict  # noqa: E402
+from lab_helpers.mesure_memoire import GIB, MeasureConfig, predict, read_measurement  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text(encoding="utf-8"))
 EXTRA_RESERVED = 2 * 2**20  # the fake reports this much more reserved than predicted
-OOM_LINE = ("mesure_memoire: error: phase cold_forward failed: OutOfMemoryError: CUDA out of memory. "
-            "Tried to allocate 2.00 GiB; no file written")
-BIG_BUDGET_GIB = 1000.0
+USABLE_BYTES = 1000 * GIB  # what the fake environment reports as usable memory
+OOM_MESSAGE = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+CUDA_MESSAGE = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+OOM_REASON = "phase cold_forward: " + OOM_MESSAGE  # what the summary records
+CUDA_REASON = "phase warmup: " + CUDA_MESSAGE
+VISIBLE = {"device": "cuda:0", "device_visible": True, "usable_memory_bytes": USABLE_BYTES}
+NO_GPU = {"device": "cuda:0", "device_visible": False, "usable_memory_bytes": "unavailable",
+          "device_unavailable_reason": "torch.cuda.is_available() is False"}
 
-# A stand-in for `mesure_memoire.py measure`: same flags, a schema-valid file whose
-# counters are the prediction (reserved + EXTRA_RESERVED), or exit 3 above a threshold.
-FAKE = '''
-import argparse, json, sys
-sys.path.insert(0, {root!r})
-from lab_helpers.mesure_memoire import MeasureConfig, predict
-parser = argparse.ArgumentParser()
-parser.add_argument("subcommand", nargs="?", choices=["measure"])
-for flag in ("batch", "context", "width", "hidden", "warmup", "repeats", "seed"):
-    parser.add_argument("--" + flag, type=int, required=True)
-parser.add_argument("--device", required=True)
-parser.add_argument("--dtype", required=True)
-parser.add_argument("--output", required=True)
-args = parser.parse_args()
-with open({calls!r}, "a") as log:
-    log.write(str(getattr(args, {dimension!r})) + "\\n")
-if {oom_above!r} is not None and getattr(args, {dimension!r}) > {oom_above!r}:
-    print("some progress noise")
-    print({oom_line!r}, file=sys.stderr)
+# A stand-in for `mesure_memoire.py`: `environment` prints B["environment"]; `measure` takes the same
+# flags, logs the swept value, and above B["fail_above"] behaves as B["mode"] says; otherwise it writes a
+# schema-valid file whose counters are the prediction (reserved + EXTRA_RESERVED).
+FAKE_PROGRAM = r'''
+import json, os, signal, subprocess, sys, time
+B = json.loads(@BEHAVIOUR@)
+args = sys.argv[1:]
+if args[:1] == ["environment"]:
+    env = B["environment"]
+    if env == "garbage":
+        print("this is not JSON")
+    elif env == "crash":
+        print("Traceback (most recent call last):\nRuntimeError: driver exploded", file=sys.stderr)
+        sys.exit(1)
+    elif env == "hang":
+        time.sleep(60)
+    else:
+        print(json.dumps(env))
+    sys.exit(0)
+assert args[0] == "measure", args
+flags = dict(zip(args[1::2], args[2::2]))
+value = int(flags["--" + B["dimension"]])
+with open(B["calls"], "a") as log:
+    log.write(f"{value}\n")
+mode = B["mode"] if B["fail_above"] is not None and value > B["fail_above"] else "ok"
+output, report = flags["--output"], flags["--failure-report"]
+
+
+def failure(phase, reason, message):
+    with open(report, "x") as handle:
+        json.dump({"kind": "iteragpu-lab measure failure", "phase": phase, "reason": reason,
+                   "message": message}, handle)
+    print(f"mesure_memoire: error: phase {phase} failed: {message}; no file written", file=sys.stderr)
     sys.exit(3)
-config = MeasureConfig(**{{k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__}})
-document = predict(config)
-for name in ("workspace", "reserved_assumptions"):
-    del document[name]
-document["kind"] = "iteragpu-lab measurement"
-document["environment"] = {{
-    "python_version": "3.12.0", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
-    "hip_build_version": None, "runtime_note": "n", "device": args.device, "device_count": 1,
-    "device_visible": True, "device_name": "Fake GPU", "compute_capability": "9.0",
-    "total_memory_bytes": 150 * 2**30, "free_memory_bytes": 140 * 2**30}}
-for phase in document["phases"]:
+
+
+if mode == "oom":
+    failure("cold_forward", "out_of_memory", B["oom_message"])
+if mode == "cuda_error":
+    failure("warmup", "cuda_error", B["cuda_message"])
+if mode == "exit3_no_report":
+    print("mesure_memoire: error: phase inputs failed: something", file=sys.stderr)
+    sys.exit(3)
+if mode == "exit3_garbage_report":
+    with open(report, "w") as handle:
+        handle.write('{"kind": "iteragpu-lab measure failure", "reason": ')
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(60)
+if mode == "hang_group":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(B["pidfile"], "w") as handle:
+        handle.write(str(child.pid))
+    time.sleep(60)
+if mode == "exit_leaving_grandchild":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(B["pidfile"], "w") as handle:
+        handle.write(str(child.pid))
+    sys.exit(2)
+if mode == "signal":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "garbage":
+    with open(output, "wb") as handle:
+        handle.write(b"\x00\xff not JSON at all")
+    sys.exit(0)
+if mode == "not_measurement":
+    with open(output, "w") as handle:
+        json.dump({"kind": "iteragpu-lab measurement", "phases": []}, handle)
+    sys.exit(0)
+if mode == "no_file":
+    sys.exit(0)
+if mode == "usage":
+    print("mesure_memoire: error: bfloat16 is not supported on cuda:0", file=sys.stderr)
+    sys.exit(2)
+if mode == "noisy":
+    for i in range(50):
+        print(f"line {i}", file=sys.stderr)
+    print("=last " + "x" * 1000, file=sys.stderr)
+    sys.exit(1)
+sys.path.insert(0, B["root"])
+from lab_helpers.mesure_memoire import MeasureConfig, predict
+names = ("batch", "context", "width", "hidden", "warmup", "repeats", "seed")
+config = MeasureConfig(device=flags["--device"], dtype=flags["--dtype"], **{n: int(flags["--" + n]) for n in names})
+if mode == "wrong_config":
+    config = MeasureConfig(device=flags["--device"], dtype=flags["--dtype"],
+                           **{n: int(flags["--" + n]) + (n == "seed") for n in names})
+prediction = predict(config)
+phases = prediction["phases"]
+for phase in phases:
     phase.update(seconds=0.002, device_seconds=0.001)
     for key in ("baseline_reserved_bytes", "end_reserved_bytes", "peak_reserved_bytes"):
-        phase[key] += {extra}
-with open(args.output, "x") as handle:
+        phase[key] += B["extra"]
+document = {
+    "schema_version": prediction["schema_version"], "kind": "iteragpu-lab measurement",
+    "environment": {
+        "python_version": "3.12.0", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+        "hip_build_version": None, "runtime_note": "n", "device": config.device, "device_count": 1,
+        "device_visible": True, "device_name": "Fake GPU", "compute_capability": "9.0",
+        "total_memory_bytes": 150 * 2**30, "free_memory_bytes": 140 * 2**30},
+    "configuration": prediction["configuration"], "synthetic_model": prediction["synthetic_model"],
+    "phases": phases}
+with open(output, "x") as handle:
     json.dump(document, handle)
+sys.exit(0)
 '''
+
+
+class Fake:
+    """A fake measuring program: its argv prefix, and the swept values `measure` was called with."""
+
+    def __init__(self, folder: Path, dimension="batch", fail_above=None, mode="oom", environment=None):
+        self.folder = folder
+        self.calls_file = folder / f"calls-{id(self)}.txt"
+        self.calls_file.touch()
+        self.pidfile = folder / f"pid-{id(self)}.txt"
+        behaviour = {"dimension": dimension, "fail_above": fail_above, "mode": mode, "root": str(ROOT),
+                     "calls": str(self.calls_file), "pidfile": str(self.pidfile), "extra": EXTRA_RESERVED,
+                     "environment": VISIBLE if environment is None else environment,
+                     "oom_message": OOM_MESSAGE, "cuda_message": CUDA_MESSAGE}
+        script = folder / f"fake_mesure_memoire_{id(self)}.py"
+        script.write_text(FAKE_PROGRAM.replace("@BEHAVIOUR@", repr(json.dumps(behaviour))), encoding="utf-8")
+        self.command = [sys.executable, str(script)]
+
+    def calls(self) -> list:
+        return [int(v) for v in self.calls_file.read_text().split()]
 
 
 @pytest.fixture
 def fake(tmp_path):
-    """Return make(dimension, oom_above) -> (command, calls): a fake measure command and its call log."""
-    def make(dimension="batch", oom_above=None):
-        calls = tmp_path / f"calls-{dimension}-{oom_above}.txt"
-        calls.touch()
-        script = tmp_path / f"fake_measure_{dimension}_{oom_above}.py"
-        script.write_text(FAKE.format(root=str(ROOT), calls=str(calls), dimension=dimension,
-                                      oom_above=oom_above, oom_line=OOM_LINE, extra=EXTRA_RESERVED))
-        return [sys.executable, str(script)], lambda: [int(v) for v in calls.read_text().split()]
-    return make
+    """make(dimension, fail_above, mode, environment) -> Fake, its files outside any output folder."""
+    home = tmp_path / "fakes"
+    home.mkdir()
+    return lambda *args, **kwargs: Fake(home, *args, **kwargs)
 
 
 def peaks(config: MeasureConfig):
@@ -79,9 +168,11 @@ def peaks(config: MeasureConfig):
     return max(p["peak_allocated_bytes"] for p in phases), max(p["peak_reserved_bytes"] for p in phases)
 
 
-def expected_row(dimension, value, status, config=MeasureConfig(), stage="sweep", reason=""):
-    alloc, reserved = peaks(MeasureConfig(**{**config.__dict__, dimension: value}))
+def expected_row(dimension, value, status, config=MeasureConfig(), stage="sweep", reason="", budget=None):
+    alloc, reserved = peaks(replace(config, **{dimension: value}))
     ok = status == "ok"
+    if status == "over_budget":
+        reason = f"predicted peak reserved {reserved} bytes > budget {budget} bytes; not run"
     return {"dimension": dimension, "value": value, "stage": stage, "status": status, "reason": reason,
             "predicted_peak_allocated_bytes": alloc, "predicted_peak_reserved_bytes": reserved,
             "measured_peak_allocated_bytes": alloc if ok else None,
@@ -90,27 +181,26 @@ def expected_row(dimension, value, status, config=MeasureConfig(), stage="sweep"
 
 
 def test_doubling_measures_every_point_and_writes_valid_files(tmp_path, fake):
-    command, calls = fake("context")
+    program = fake("context")
     out = tmp_path / "balayage"
-    rows = sweep.run_sweep("context", out, start=16, maximum=100, budget_gib=BIG_BUDGET_GIB,
-                           measure_command=command, progress=False)
-    assert calls() == [16, 32, 64]
+    rows = sweep.run_sweep("context", out, start=16, maximum=100, measure_command=program.command, progress=False)
+    assert program.calls() == [16, 32, 64]
     assert rows == [expected_row("context", v, "ok") for v in (16, 32, 64)]
     assert sorted(p.name for p in out.iterdir()) == ["context-16.json", "context-32.json",
                                                       "context-64.json", "summary.csv"]
     for value in (16, 32, 64):
-        document = json.loads((out / f"context-{value}.json").read_text())
+        document = read_measurement(out / f"context-{value}.json")
         jsonschema.validate(document, SCHEMA)
         assert document["configuration"]["context"] == value
 
 
 def test_explicit_values_and_exact_summary_csv(tmp_path, fake):
-    command, calls = fake("width")
+    program = fake("width")
     out = tmp_path / "balayage"
     config = MeasureConfig(batch=2, context=8, dtype="bfloat16")
-    rows = sweep.run_sweep("width", out, values=[32, 48, 96], config=config, budget_gib=BIG_BUDGET_GIB,
-                           measure_command=command, progress=False)
-    assert calls() == [32, 48, 96]
+    rows = sweep.run_sweep("width", out, values=[32, 48, 96], config=config, budget_gib=1,
+                           measure_command=program.command, progress=False)
+    assert program.calls() == [32, 48, 96]
     lines = [",".join(sweep.SUMMARY_COLUMNS)]
     for value in (32, 48, 96):
         a, r = peaks(MeasureConfig(batch=2, context=8, width=value, dtype="bfloat16"))
@@ -121,134 +211,144 @@ def test_explicit_values_and_exact_summary_csv(tmp_path, fake):
 
 
 def test_hidden_sweep_keeps_width(tmp_path, fake):
-    command, _ = fake("hidden")
+    program = fake("hidden")
     rows = sweep.run_sweep("hidden", tmp_path / "b", values=[8, 16], config=MeasureConfig(width=32),
-                           budget_gib=BIG_BUDGET_GIB, measure_command=command, progress=False)
+                           measure_command=program.command, progress=False)
     document = json.loads((tmp_path / "b" / "hidden-16.json").read_text())
     assert (document["configuration"]["width"], document["configuration"]["hidden"]) == (32, 16)
     assert [r["status"] for r in rows] == ["ok", "ok"]
 
 
-def test_stops_at_first_oom_and_records_its_reason(tmp_path, fake):
-    command, calls = fake("batch", oom_above=3)
+def test_default_budget_is_the_usable_memory_the_environment_reports(tmp_path, fake):
+    config = MeasureConfig(context=512, width=512)
+    reserved = {b: peaks(MeasureConfig(batch=b, context=512, width=512))[1] for b in (1, 2, 4)}
+    usable = (reserved[2] + reserved[4]) // 2
+    program = fake("batch", environment={**VISIBLE, "free_memory_bytes": 10 * usable, "usable_memory_bytes": usable})
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 4], config=config,
+                           measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2]
+    assert rows[-1] == expected_row("batch", 4, "over_budget", config, budget=usable)
+
+
+def test_stops_at_first_oom_and_records_the_failure_report(tmp_path, fake):
+    program = fake("batch", fail_above=3, mode="oom")
     out = tmp_path / "balayage"
-    rows = sweep.run_sweep("batch", out, values=[1, 2, 4, 8], budget_gib=BIG_BUDGET_GIB,
-                           measure_command=command, progress=False)
-    assert calls() == [1, 2, 4]  # 8 never run
+    rows = sweep.run_sweep("batch", out, values=[1, 2, 4, 8], measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2, 4]  # 8 never run
     assert rows == [expected_row("batch", 1, "ok"), expected_row("batch", 2, "ok"),
-                    expected_row("batch", 4, "oom", reason=OOM_LINE)]
+                    expected_row("batch", 4, "oom", reason=OOM_REASON)]
     assert sweep.read_summary(out / "summary.csv") == rows
-    assert not (out / "batch-4.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "batch-2.json", "summary.csv"]
 
 
 def test_over_budget_point_is_not_run(tmp_path, fake):
-    command, calls = fake("batch")
+    program = fake("batch")
     config = MeasureConfig(context=512, width=512)
     fits, over = peaks(MeasureConfig(batch=2, context=512, width=512))[1], peaks(
         MeasureConfig(batch=4, context=512, width=512))[1]
     assert fits < over
     budget = (fits + over) / 2 / GIB
     rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 4, 8], config=config,
-                           budget_gib=budget, measure_command=command, progress=False)
-    assert calls() == [1, 2]
+                           budget_gib=budget, measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2]
     assert [(r["value"], r["status"]) for r in rows] == [(1, "ok"), (2, "ok"), (4, "over_budget")]
-    assert rows[-1]["reason"] == f"predicted peak reserved {over} bytes > budget {int(budget * GIB)} bytes; not run"
-    assert rows[-1]["measured_peak_allocated_bytes"] is None and rows[-1]["file"] == ""
+    assert rows[-1] == expected_row("batch", 4, "over_budget", config, budget=int(budget * GIB))
 
 
-def test_bisection_finds_the_exact_threshold(tmp_path, fake):
-    command, calls = fake("batch", oom_above=37)
+def test_measured_bisection_after_an_oom_finds_the_exact_threshold(tmp_path, fake):
+    program = fake("batch", fail_above=37, mode="oom")
     rows = sweep.run_sweep("batch", tmp_path / "b", start=1, maximum=64, bisect=True,
-                           budget_gib=BIG_BUDGET_GIB, measure_command=command, progress=False)
-    assert calls() == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+                           measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
     assert [r["stage"] for r in rows] == ["sweep"] * 7 + ["bisect"] * 5
     assert max(r["value"] for r in rows if r["status"] == "ok") == 37
     assert [r["status"] for r in rows[-5:]] == ["oom", "oom", "ok", "oom", "ok"]
 
 
-def test_bisection_against_the_budget_runs_no_point_over_it(tmp_path, fake):
-    command, calls = fake("batch")
-    config = MeasureConfig(context=512, width=512)
-    reserved = {b: peaks(MeasureConfig(batch=b, context=512, width=512))[1] for b in range(1, 9)}
-    budget = reserved[5] / GIB  # batch 5 fits exactly, 6 and up do not
-    assert reserved[6] > reserved[5]
-    rows = sweep.run_sweep("batch", tmp_path / "b", start=1, maximum=8, config=config, bisect=True,
-                           budget_gib=budget, measure_command=command, progress=False)
-    assert calls() == [1, 2, 4, 5]
-    assert [(r["value"], r["status"]) for r in rows] == [
-        (1, "ok"), (2, "ok"), (4, "ok"), (8, "over_budget"), (6, "over_budget"), (5, "ok")]
+BUDGET_CONFIG = MeasureConfig(context=512, width=512)
 
 
-def test_failure_that_is_not_memory_is_an_error_and_main_exits_1(tmp_path, fake, capsys):
-    if cuda_available():
-        pytest.skip("the real measure command succeeds on a GPU")
-    out = tmp_path / "b"
-    status = sweep.main(["--dimension", "batch", "--values", "1", "2", "--budget-gib", "1",
-                         "--output-dir", str(out)])
-    assert status == 1
-    (row,) = sweep.read_summary(out / "summary.csv")
-    assert (row["status"], row["file"]) == ("error", "")
-    assert row["reason"].startswith("mesure_memoire: error: no CUDA/ROCm device")
+def reserved_by_batch(last=8):
+    values = {b: peaks(replace(BUDGET_CONFIG, batch=b))[1] for b in range(1, last + 1)}
+    assert all(values[b] < values[b + 1] for b in range(1, last))
+    return values
 
 
-@pytest.mark.parametrize("code, status, reason", [
-    ("pass", "error", "exit code 0 but no readable measurement file (FileNotFoundError)"),
-    ("import sys; print('mesure_memoire: error: bfloat16 is not supported', file=sys.stderr); sys.exit(2)",
-     "error", "mesure_memoire: error: bfloat16 is not supported"),
-    ("import sys; print('phase warmup failed: AcceleratorError: illegal memory access', file=sys.stderr); "
-     "sys.exit(3)", "error", "phase warmup failed: AcceleratorError: illegal memory access"),
-    ("import sys; sys.exit(3)", "error", "exit code 3"),
-])
-def test_other_failures_are_errors_and_stop_the_sweep(tmp_path, code, status, reason):
-    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2], budget_gib=BIG_BUDGET_GIB, bisect=True,
-                           measure_command=[sys.executable, "-c", code], progress=False)
-    assert [(r["value"], r["status"], r["reason"]) for r in rows] == [(1, status, reason)]
+def test_bisection_on_the_prediction_runs_one_process_and_confirms(tmp_path, fake):
+    program = fake("batch")
+    reserved = reserved_by_batch()
+    budget = reserved[5]  # batch 5 fits exactly, 6 and up do not
+    rows = sweep.run_sweep("batch", tmp_path / "b", start=1, maximum=8, config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2, 4, 5]  # 6 and 7 were ruled out by the prediction alone
+    assert rows == [expected_row("batch", 1, "ok", BUDGET_CONFIG), expected_row("batch", 2, "ok", BUDGET_CONFIG),
+                    expected_row("batch", 4, "ok", BUDGET_CONFIG),
+                    expected_row("batch", 8, "over_budget", BUDGET_CONFIG, budget=budget),
+                    expected_row("batch", 5, "ok", BUDGET_CONFIG, stage="confirm"),
+                    expected_row("batch", 6, "over_budget", BUDGET_CONFIG, stage="confirm", budget=budget)]
+    assert sweep.read_summary(tmp_path / "b" / "summary.csv") == rows
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--dimension", "depth", "--values", "1"], "invalid choice: 'depth'"),
-    (["--dimension", "batch", "--values", "0", "1"], "must be > 0"),
-    (["--dimension", "batch", "--values", "1.5"], "not an integer"),
-    (["--dimension", "batch", "--values", "4", "2"], "strictly increasing"),
-    (["--dimension", "batch", "--values", "1", "--start", "1"], "not allowed with argument"),
-    (["--dimension", "batch", "--start", "4"], "start needs max"),
-    (["--dimension", "batch", "--start", "4", "--max", "2"], "start <= max"),
-    (["--dimension", "batch", "--values", "1", "--max", "8"], "not both"),
-    (["--dimension", "batch", "--values", "1", "--budget-gib", "0"], "budget must be > 0"),
-    (["--dimension", "batch", "--values", "1", "--dtype", "float64"], "invalid choice: 'float64'"),
-])
-def test_bad_requests_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, args, message):
-    out = tmp_path / "b"
-    budget = [] if "--budget-gib" in args else ["--budget-gib", "1"]
-    assert sweep.main(args + budget + ["--output-dir", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
-    assert not out.exists()
+def test_bisection_on_the_prediction_reuses_a_point_already_measured(tmp_path, fake):
+    program = fake("batch")
+    budget = reserved_by_batch()[4]
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 4, 8], config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2, 4]
+    assert rows[-2:] == [expected_row("batch", 4, "ok", BUDGET_CONFIG, stage="confirm"),
+                         expected_row("batch", 5, "over_budget", BUDGET_CONFIG, stage="confirm", budget=budget)]
 
 
-def test_existing_output_dir_exits_2_and_is_untouched(tmp_path, capsys):
-    out = tmp_path / "b"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--budget-gib", "1", "--output-dir", str(out)]) == 2
-    assert "already exists" in capsys.readouterr().err
-    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+def test_bisection_on_the_prediction_when_the_first_point_is_over_budget(tmp_path, fake):
+    program = fake("batch")
+    budget = reserved_by_batch()[3]
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[8], config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    assert program.calls() == [3]
+    assert [(r["value"], r["stage"], r["status"]) for r in rows] == [
+        (8, "sweep", "over_budget"), (3, "confirm", "ok"), (4, "confirm", "over_budget")]
 
 
-def test_no_gpu_and_no_budget_exits_2(tmp_path, capsys):
-    if cuda_available():
-        pytest.skip("a GPU is visible here")
-    out = tmp_path / "b"
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", str(out)]) == 2
-    assert "no GPU visible" in capsys.readouterr().err
-    assert not out.exists()
+def test_confirmation_out_of_memory_falls_back_to_measured_bisection(tmp_path, fake):
+    program = fake("batch", fail_above=4, mode="oom")  # the GPU holds less than the budget says
+    budget = reserved_by_batch()[6]
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 8], config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2, 6, 4, 5]
+    assert [(r["value"], r["stage"], r["status"]) for r in rows] == [
+        (1, "sweep", "ok"), (2, "sweep", "ok"), (8, "sweep", "over_budget"), (6, "confirm", "oom"),
+        (4, "bisect", "ok"), (5, "bisect", "oom")]
+    assert rows[3]["reason"] == OOM_REASON
+
+
+def test_nothing_fits_not_even_one(tmp_path, fake):
+    program = fake("batch")
+    budget = reserved_by_batch()[1] - 1
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[2, 4], config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    assert program.calls() == []
+    assert rows == [expected_row("batch", 2, "over_budget", BUDGET_CONFIG, budget=budget)]
+
+
+def test_largest_predicted_fit_is_the_boundary_of_the_prediction():
+    reserved = reserved_by_batch()
+    for fits in range(1, 8):
+        assert sweep.largest_predicted_fit(BUDGET_CONFIG, "batch", 0, 8, reserved[fits]) == fits
+    assert sweep.largest_predicted_fit(BUDGET_CONFIG, "batch", 0, 8, reserved[1] - 1) == 0
+
+
+def test_an_error_stops_the_sweep_and_bisection(tmp_path, fake):
+    program = fake("batch", fail_above=1, mode="cuda_error")
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 4], bisect=True,
+                           measure_command=program.command, progress=False)
+    assert program.calls() == [1, 2]
+    assert rows == [expected_row("batch", 1, "ok"), expected_row("batch", 2, "error", reason=CUDA_REASON)]
 
 
 def test_plot_sweep_draws_measured_and_predicted_lines(tmp_path, fake):
-    command, _ = fake("batch", oom_above=3)
+    program = fake("batch", fail_above=3, mode="oom")
     out = tmp_path / "b"
-    rows = sweep.run_sweep("batch", out, values=[1, 2, 4], budget_gib=BIG_BUDGET_GIB,
-                           measure_command=command, progress=False)
+    rows = sweep.run_sweep("batch", out, values=[1, 2, 4], measure_command=program.command, progress=False)
     for source in (rows, out / "summary.csv", str(out / "summary.csv")):
         ax = sweep.plot_sweep(source)
         lines = {line.get_label(): line for line in ax.get_lines()}
@@ -262,41 +362,94 @@ def test_plot_sweep_draws_measured_and_predicted_lines(tmp_path, fake):
         matplotlib.pyplot.close(ax.figure)
 
 
-def test_cli_plot_writes_png(tmp_path, fake, monkeypatch, capsys):
-    command, _ = fake("batch")
-    monkeypatch.setattr(sweep, "default_measure_script", lambda: Path(command[1]))
+def test_plot_draws_a_confirmed_value_once(tmp_path, fake):
+    program = fake("batch")
+    budget = reserved_by_batch()[4]
+    rows = sweep.run_sweep("batch", tmp_path / "b", values=[1, 2, 4, 8], config=BUDGET_CONFIG, bisect=True,
+                           budget_gib=budget / GIB, measure_command=program.command, progress=False)
+    ax = sweep.plot_sweep(rows)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["predicted peak allocated"].get_xdata()) == [1, 2, 4, 5, 8]
+    assert list(lines["measured peak allocated"].get_xdata()) == [1, 2, 4]
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_cli_plot_writes_png_and_prints_a_table(tmp_path, fake, monkeypatch, capsys):
+    program = fake("batch")
+    monkeypatch.setattr(sweep, "measuring_program", lambda workdir, measure_source=None: program.command)
     out = tmp_path / "b"
-    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--budget-gib", "1", "--plot",
-                       "--output-dir", str(out)]) == 0
+    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--plot", "--output-dir", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "batch-2.json", "summary.csv", "sweep.png"]
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "largest batch measured that fit: 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split() == ["batch=1", "sweep", "ok", "batch-1.json"]
+    assert printed[-2:] == ["largest batch measured that fit: 2", f"summary: {out / 'summary.csv'}"]
 
 
-def notebook_cells_code() -> str:
-    """What the notebook's kernel runs: the generated cells in order, up to sweep's."""
-    sources = notebook_sync.NOTEBOOK_SOURCES["notebooks/mesure-memoire.ipynb"]
-    sources = sources[: sources.index("lab_helpers/sweep.py") + 1]
-    return "\n\n".join(notebook_sync.module_text(notebook_sync.cell_text(s)) for s in sources)
+def test_cli_json_output_is_the_summary(tmp_path, fake, monkeypatch, capsys):
+    program = fake("batch", fail_above=1, mode="oom")
+    monkeypatch.setattr(sweep, "measuring_program", lambda workdir, measure_source=None: program.command)
+    out = tmp_path / "b"
+    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--json", "--output-dir", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"rows": sweep.read_summary(out / "summary.csv"), "largest_fit": 1,
+                       "summary": str(out / "summary.csv")}
 
 
-def test_notebook_inlined_copy_finds_the_script_from_notebooks_folder(tmp_path, fake, monkeypatch, capsys):
-    """Run as notebook cells: no __file__, cwd notebooks/, no lab_helpers import available."""
-    code = notebook_cells_code()
-    assert not re.search(r"^\s*(from|import)\s+lab_helpers\b", code, re.MULTILINE)
+def test_library_runs_the_measuring_file_on_disk(tmp_path):
+    assert sweep.measuring_program(tmp_path) == [sys.executable, str(ROOT / "lab_helpers" / "mesure_memoire.py")]
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------ notebook alone
+def run_as_notebook_cells(register=True) -> dict:
+    """Run the generated cells as a Jupyter kernel does: one namespace, no __file__, no lab_helpers
+    import, each cell compiled under its own name that the kernel keeps in linecache."""
+    namespace = {"__name__": "__main__"}
+    for index, source in enumerate(notebook_sync.NOTEBOOK_SOURCES["notebooks/mesure-memoire.ipynb"]):
+        code = notebook_sync.cell_text(source)  # the cell as committed, banner included
+        name = f"/tmp/ipykernel_0/cell-{index}-{id(namespace)}.py"  # never written to disk, like the kernel's
+        if register:
+            linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
+        exec(compile(code, name, "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture
+def notebook_alone(tmp_path, monkeypatch):
+    """The notebook's namespace with no lab_helpers reachable, in a folder without mesure_memoire.py."""
     monkeypatch.setitem(sys.modules, "lab_helpers.mesure_memoire", None)  # any such import would fail
-    monkeypatch.chdir(ROOT / "notebooks")
-    namespace = {"__name__": "notebook_cells"}
-    exec(compile(code, "<notebook>", "exec"), namespace)
+    monkeypatch.setitem(sys.modules, "lab_helpers", None)
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def test_notebook_alone_runs_its_own_measuring_cell(notebook_alone, tmp_path):
+    namespace = run_as_notebook_cells()
     assert "__file__" not in namespace
-    assert namespace["default_measure_script"]() == ROOT / "lab_helpers" / "mesure_memoire.py"
-    command, calls = fake("batch", oom_above=1)
-    rows = namespace["run_sweep"]("batch", tmp_path / "b", values=[1, 2], budget_gib=BIG_BUDGET_GIB,
-                                  measure_command=command, progress=False)
-    assert rows == [expected_row("batch", 1, "ok"), expected_row("batch", 2, "oom", reason=OOM_LINE)]
-    ax = namespace["plot_sweep"](tmp_path / "b" / "summary.csv")
+    program = namespace["measuring_program"](tmp_path)
+    assert program == [sys.executable, str(tmp_path / "mesure_memoire.py")]
+    copied = (tmp_path / "mesure_memoire.py").read_text(encoding="utf-8")
+    assert copied.startswith(notebook_sync.cell_text("lab_helpers/mesure_memoire.py"))
+    result = subprocess.run([*program, "predict", "--batch", "3", "--width", "32"], capture_output=True,
+                            text=True, timeout=60, cwd=notebook_alone)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == predict(MeasureConfig(batch=3, width=32))
+
+
+def test_notebook_alone_sweeps_with_a_given_source_and_removes_its_copy(notebook_alone, tmp_path):
+    namespace = run_as_notebook_cells(register=False)
+    with pytest.raises(namespace["SweepError"], match="cannot find the measuring code"):
+        namespace["measuring_program"](tmp_path)
+    fake = Fake(tmp_path, "batch", fail_above=1, mode="oom")
+    source = Path(fake.command[1]).read_text(encoding="utf-8")
+    out = tmp_path / "b"
+    rows = namespace["run_sweep"]("batch", out, values=[1, 2], measure_source=source, progress=False)
+    assert rows == [expected_row("batch", 1, "ok"), expected_row("batch", 2, "oom", reason=OOM_REASON)]
+    assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "summary.csv"]
+    assert fake.calls() == [1, 2]
+    ax = namespace["plot_sweep"](out / "summary.csv")
     assert len(ax.get_lines()) == 5
     matplotlib.pyplot.close(ax.figure)
-    assert namespace["main"](["--dimension", "batch", "--values", "1", "--budget-gib", "1",
-                              "--output-dir", str(tmp_path / "b")]) == 2
-    assert "already exists" in capsys.readouterr().err
