@@ -377,3 +377,82 @@ def test_notebook_parameters_and_labels():
     assert "resultats-bruts.csv" in text
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert not re.search(r"^\s*(import|from)\s+lab_helpers", code, re.MULTILINE)
+
+
+# --- readable output and the card as rows ----------------------------------------------
+
+def _price(model: str, days: str) -> int:
+    return next(int(r["lot_price_cents"]) for r in CARD_ROWS
+                if r["model_id"] == model and r["duration_days"] == days)
+
+
+def _money(cents: int) -> str:
+    return f"{cents // 100:,}.{cents % 100:02d} USD ({cents} cents)"
+
+
+def test_format_table_is_aligned_money_with_cents(calc_script, tmp_path):
+    shutil.copy(CARD, tmp_path / "card.csv")
+    proc = run_cli(calc_script, "--gpu", "b200", "--days", "7", "--lots", "2",
+                   "--accepted-results", "40", "--tariffs", "card.csv", "--format", "table",
+                   cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    total = 2 * _price("b200", "7")
+    unit = half_up(total, 40)
+    assert proc.stdout.splitlines() == [
+        "GPU model               b200 (NVIDIA B200)",
+        "forfait                 7 days x 2 lots of 2 GPU = 4 GPUs",
+        "memory/GPU (vendor GB)  180",
+        f"lot price               {_money(_price('b200', '7'))}",
+        f"total price             {_money(total)}",
+        "accepted results        40",
+        f"unit cost               {_money(unit)} per accepted result",
+        "rate card               card.csv (snapshot 2026-09-24)",
+        "Assumptions: the whole forfait is paid; no hourly proration; no currency conversion; "
+        "unit cost rounded half up to the cent.",
+        "Notice: This rate card proves neither availability nor a reservation: confirm both "
+        "with the provider before relying on it. Its figures are illustrative, not a quote.",
+    ]
+
+
+def test_format_table_without_accepted_results_says_how_to_get_a_unit_cost(calc_script):
+    proc = run_cli(calc_script, "--gpu", "l4", "--days", "30", "--tariffs", CARD,
+                   "--format", "table")
+    assert proc.returncode == 0, proc.stderr
+    assert "unit cost               n/a (give --accepted-results N)" in proc.stdout.splitlines()
+    assert "accepted results        n/a" in proc.stdout.splitlines()
+
+
+def test_list_heads_the_memory_column_with_the_vendor_unit(calc_script):
+    proc = run_cli(calc_script, "--list", "--tariffs", CARD)
+    header = proc.stdout.splitlines()[1]
+    assert header.split("  ")[0] == "model"
+    assert "memory/GPU (vendor GB)" in header and "GiB" not in header
+    assert CARD_LINES[0].split(",")[3] == "memory_per_gpu_gib"  # the CSV keeps its column name
+
+
+def test_card_table_gives_every_row_with_its_exact_gpu_day_price(calc):
+    table = calc.card_table(calc.load_card(CARD))
+    assert len(table) == len(CARD_ROWS)
+    for row, text in zip(table, CARD_ROWS):
+        assert set(CARD_HEADER) | {"gpu_day_price"} == set(row)
+        assert row["model_id"] == text["model_id"]
+        cents = Fraction(int(text["lot_price_cents"]),
+                         int(text["gpus_per_lot"]) * int(text["duration_days"]))
+        assert row["gpu_day_price"] == Decimal(half_up(cents.numerator, cents.denominator)) / 100
+    b200_7 = next(r for r in table if (r["model_id"], r["duration_days"]) == ("b200", 7))
+    assert b200_7["gpu_day_price"] == Decimal("121.22")  # 169707 / (2 x 7) = 12121.93 cents
+
+
+def test_gpu_day_price_stays_exact_at_the_price_bound(calc):
+    row = {"lot_price_cents": calc.MAX_LOT_PRICE_CENTS - 1, "gpus_per_lot": 1, "duration_days": 3}
+    assert calc.gpu_day_price(row) == Decimal("3333333333333.33")
+
+
+def test_compute_refuses_counts_over_the_bounds(calc):
+    rows = calc.load_card(CARD)
+    with pytest.raises(calc.ForfaitError, match="lots"):
+        calc.compute_forfait(rows, "b200", 7, calc.MAX_LOTS + 1)
+    with pytest.raises(calc.ForfaitError, match="accepted_results"):
+        calc.compute_forfait(rows, "b200", 7, 1, calc.MAX_ACCEPTED_RESULTS + 1)
+    assert calc.compute_forfait(rows, "b200", 7, calc.MAX_LOTS,
+                                calc.MAX_ACCEPTED_RESULTS)["lots"] == calc.MAX_LOTS

@@ -1,5 +1,6 @@
 """The results grid: the shipped header-only file, `check` and `report`."""
 import csv
+import json
 import subprocess
 import sys
 from fractions import Fraction
@@ -180,3 +181,50 @@ def test_grid_usage_errors_exit_2(capsys):
         grid.main(["summarise", str(GRID)])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+# --- grid_report: the checked path the notebook takes ----------------------------------
+
+def test_grid_report_checks_then_returns_rows_and_models(tmp_path):
+    path = write_grid(tmp_path, [HEADER, *PASSES])
+    report = grid.grid_report(path, CARD)
+    card = calc.load_card(CARD)
+    costs = grid.row_costs(grid.load_grid(path, card), card)
+    assert report["rows"] == costs
+    assert report["models"] == grid.model_costs(costs)
+    assert (report["grid"], report["tariffs"], report["currency"]) == (str(path), str(CARD), "USD")
+    assert "ROUND_HALF_UP" in report["rounding"] and "illustrative" in report["notice"]
+
+
+def test_grid_report_refuses_a_bad_grid(tmp_path):
+    path = write_grid(tmp_path, [HEADER, _pass(units_accepted="1_000")], name="bad-grid.csv")
+    with pytest.raises(grid.GridError, match=r"bad-grid.csv, line 2: units_accepted"):
+        grid.grid_report(path, CARD)
+
+
+def test_grid_report_default_card_is_shown_relative(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_grid(tmp_path, [HEADER, PASSES[1]])
+    report = grid.grid_report("grid.csv")
+    assert not Path(report["tariffs"]).is_absolute()
+    assert (tmp_path / report["tariffs"]).resolve() == CARD
+
+
+def test_report_json_for_programs(tmp_path, capsys):
+    path = write_grid(tmp_path, [HEADER, *PASSES])
+    status, out, err = run_main(capsys, "report", path, "--tariffs", CARD, "--format", "json")
+    assert (status, err) == (0, "")
+    report = json.loads(out)
+    assert [row["line"] for row in report["rows"]] == [2, 3, 4, 5]
+    assert report["rows"][3]["unit_cost_cents"] == 2471
+    assert report["rows"][0]["wall_seconds"] == 5400.5
+    assert report["rows"][2]["unit_cost_cents"] is None
+    h100 = next(m for m in report["models"] if m["gpu_model"] == "h100-sxm")
+    assert h100["total_price_cents"] == lot_price("h100-sxm", 7) + lot_price("h100-sxm", 3)
+
+
+def test_check_line_names_the_card_as_given(tmp_path, capsys):
+    path = write_grid(tmp_path, [HEADER, *PASSES])
+    status, out, _ = run_main(capsys, "check", path, "--tariffs", CARD)
+    assert status == 0
+    assert out == f"{path}: 4 rows (all valid; rate card {CARD})\n"
