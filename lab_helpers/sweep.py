@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -65,16 +66,37 @@ def run_child(argv, timeout_seconds):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         process = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                    start_new_session=True)
+        finished = False
         try:
-            code = process.wait(timeout=timeout_seconds)
-        except subprocess.TimeoutExpired:
-            code = None
+            finished = _wait_unreaped(process, timeout_seconds)
         finally:  # an interrupted notebook cell must not leave a child on the GPU either
-            _kill_group(process)
-        return code, _tail(out, MAX_CHILD_OUTPUT_BYTES), _tail(err, MAX_CHILD_OUTPUT_BYTES)
+            _end_group(process)
+        return (process.returncode if finished else None), _tail(out, MAX_CHILD_OUTPUT_BYTES), \
+            _tail(err, MAX_CHILD_OUTPUT_BYTES)
 
 
-def _kill_group(process) -> None:
+def _wait_unreaped(process, timeout_seconds) -> bool:
+    """Wait until `process` exits, without reaping it: its pid, which is its group's id, stays taken
+    until the group is ended, so no other process group can be hit. False at the time limit."""
+    if not hasattr(os, "waitid"):
+        try:
+            process.wait(timeout=timeout_seconds)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout_seconds
+    delay = 0.001
+    while os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(2 * delay, 0.05)
+    return True
+
+
+def _end_group(process) -> None:
+    """Kill what is left of the child's process group, then reap the child."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError, AttributeError):  # AttributeError: no killpg (Windows)
@@ -96,10 +118,12 @@ def measuring_program(workdir, measure_source=None) -> list:
     cell that defined `predict`, which the kernel keeps in linecache) copied into `workdir`."""
     if measure_source is None:
         origin = predict.__code__.co_filename
-        if os.path.isfile(origin):
+        try:
             text = Path(origin).read_text(encoding="utf-8")
-            if MAIN_BLOCK.search(text):
-                return [sys.executable, str(Path(origin).resolve())]
+        except (OSError, UnicodeDecodeError):  # a notebook cell's name is not a file
+            text = ""
+        if MAIN_BLOCK.search(text):
+            return [sys.executable, str(Path(origin).resolve())]
         measure_source = "".join(linecache.getlines(origin))
         if "def main(" not in measure_source:
             raise SweepError("cannot find the measuring code (mesure_memoire.py): run the mesure_memoire "
@@ -365,6 +389,11 @@ def run_sweep(dimension, output_dir, values=None, start=None, maximum=None, conf
     `environment ...` once, then `measure ...` per point (default: this Python and mesure_memoire.py,
     or `measure_source` copied to a temporary file when the code is not on disk)."""
     points, config = _check_request(dimension, values, start, maximum, config, budget_gib, point_timeout_seconds)
+    if not isinstance(output_dir, (str, os.PathLike)) or "\0" in os.fspath(output_dir):
+        raise SweepError(f"output_dir must be a path, got {_short(output_dir)}")
+    if measure_command is not None and (isinstance(measure_command, (str, bytes)) or not measure_command
+                                        or not all(isinstance(a, (str, os.PathLike)) for a in measure_command)):
+        raise SweepError(f"measure_command must be a list of arguments, got {_short(measure_command)}")
     folder = Path(output_dir)
     _check_output_dir(folder)
     with tempfile.TemporaryDirectory(prefix="sweep-") as workdir:

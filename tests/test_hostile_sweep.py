@@ -289,6 +289,9 @@ PYTHON_CASES = [
     ("timeout-nan", dict(values=[1], point_timeout_seconds=float("nan")), "point timeout"),
     ("config-not-a-config", dict(values=[1], config={"batch": 1}), "MeasureConfig"),
     ("source-not-text", dict(values=[1], measure_source=b"print()"), "measure_source"),
+    ("command-a-string", dict(values=[1], measure_command="python mesure_memoire.py"), "measure_command"),
+    ("command-empty", dict(values=[1], measure_command=[]), "measure_command"),
+    ("command-not-text", dict(values=[1], measure_command=[sys.executable, 3]), "measure_command"),
 ]
 
 
@@ -298,6 +301,14 @@ def test_bad_python_call_raises_sweep_error_and_creates_nothing(tmp_path, kwargs
     with pytest.raises(sweep.SweepError, match=message):
         sweep.run_sweep("batch", out, progress=False, **kwargs)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("output_dir", [None, 3, "out\0put", b"out"], ids=["none", "number", "nul-byte", "bytes"])
+def test_bad_output_dir_in_python_raises_sweep_error(tmp_path, monkeypatch, output_dir):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sweep.SweepError, match="output_dir must be a path"):
+        sweep.run_sweep("batch", output_dir, values=[1], progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_command_line_without_gpu_refuses_even_with_a_budget(tmp_path):
