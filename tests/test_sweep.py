@@ -453,3 +453,28 @@ def test_notebook_alone_sweeps_with_a_given_source_and_removes_its_copy(notebook
     ax = namespace["plot_sweep"](out / "summary.csv")
     assert len(ax.get_lines()) == 5
     matplotlib.pyplot.close(ax.figure)
+
+
+def test_notebook_alone_in_a_real_kernel(tmp_path):
+    """The committed notebook's generated cells, run by a Jupyter kernel in a folder holding nothing else:
+    the sweep finds the measuring cell's text and runs it as a program."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    committed = nbformat.read(ROOT / "notebooks" / "mesure-memoire.ipynb", as_version=4)
+    cells = [nbformat.v4.new_code_cell(cell.source) for cell in committed.cells
+             if any(t.startswith(notebook_sync.TAG_PREFIX) for t in cell.metadata.get("tags", []))]
+    cells.append(nbformat.v4.new_code_cell(
+        "import json, subprocess, sys, tempfile\n"
+        "work = tempfile.mkdtemp()\n"
+        "program = measuring_program(work)\n"
+        "answer = subprocess.run([*program, 'predict', '--batch', '3'], capture_output=True, text=True)\n"
+        "print(json.dumps({'copied': program[1].startswith(work), 'python': program[0] == sys.executable,\n"
+        "                  'predict': json.loads(answer.stdout) == predict(MeasureConfig(batch=3))}))"))
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(folder)}}).execute()
+    printed = "".join(output.get("text", "") for output in notebook.cells[-1].outputs)
+    assert json.loads(printed) == {"copied": True, "python": True, "predict": True}
+    assert list(folder.iterdir()) == []
