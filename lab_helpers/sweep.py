@@ -141,7 +141,10 @@ def read_environment(program, device, usable_memory=True, timeout_seconds=ENVIRO
     """Return the `environment` report of `device`, run in a child so this process holds no CUDA context;
     `usable_memory=False` skips the probe of usable memory (a budget was given)."""
     argv = [*program, "environment", "--device", device, *([] if usable_memory else ["--no-usable-memory"])]
-    code, stdout, stderr = run_child(argv, timeout_seconds)
+    try:
+        code, stdout, stderr = run_child(argv, timeout_seconds)
+    except OSError as exc:  # the program itself cannot start
+        raise SweepError(f"cannot run {display_path(str(program[0]))}: {exc.strerror or type(exc).__name__}") from None
     if code is None:
         raise SweepError(f"the environment of {device} gave no answer within {timeout_seconds} s")
     try:

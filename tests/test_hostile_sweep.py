@@ -171,7 +171,7 @@ def reason_of_invalid_file(path: Path, content: bytes) -> str:
     try:
         read_measurement(path)
     except LabError as exc:
-        return sweep._one_line(f"not a valid measurement: {exc}")
+        return " ".join(f"not a valid measurement: {exc}".split())[:300]
     finally:
         path.unlink()
     raise AssertionError("the content was valid")
@@ -292,6 +292,8 @@ PYTHON_CASES = [
     ("command-a-string", dict(values=[1], measure_command="python mesure_memoire.py"), "measure_command"),
     ("command-empty", dict(values=[1], measure_command=[]), "measure_command"),
     ("command-not-text", dict(values=[1], measure_command=[sys.executable, 3]), "measure_command"),
+    ("command-missing", dict(values=[1], measure_command=["/nonexistent/python3"]),
+     "cannot run /nonexistent/python3: No such file or directory"),
 ]
 
 
