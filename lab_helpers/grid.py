@@ -13,7 +13,6 @@ import io
 import json
 import sys
 from decimal import Decimal
-from pathlib import Path
 
 # >>> library only
 # a notebook that inlines this file defines these names in its earlier generated cells

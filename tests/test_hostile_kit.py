@@ -90,8 +90,7 @@ def patch_headers(data: bytes, name: str, flag_bits=0, method=None, new_name=Non
 def with_manifest(members: dict, **entries) -> dict:
     """A copy of `members` whose manifest has the given file entries replaced."""
     manifest = json.loads(members[PREFIX + kit.MANIFEST])
-    for name, entry in entries.items():
-        manifest["files"][name.replace("_", ".") if name not in manifest["files"] else name] = entry
+    manifest["files"].update(entries)
     return {**members, PREFIX + kit.MANIFEST: json.dumps(manifest).encode()}
 
 
@@ -149,10 +148,6 @@ def assert_usage_error(proc, *needles):
 
 
 # --- hostile zips --------------------------------------------------------------------
-
-def _readme(members):
-    return members[PREFIX + "README.md"]
-
 
 def _encrypted(m):
     return patch_headers(zip_bytes(m), PREFIX + "README.md", flag_bits=kit.ZIP_ENCRYPTED_FLAG)
