@@ -11,6 +11,7 @@ import secrets
 import stat
 import sys
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from lab_helpers.calcul_forfaits import printable
@@ -51,6 +52,9 @@ ZIP_ENCRYPTED_FLAG = 0x1
 READABLE_COMPRESSION = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated"}
 NOTEBOOK_FORMAT = 4
 CELL_TYPES = ("code", "markdown", "raw")
+# what reading a damaged or hostile member can raise; zlib.error is a corrupt deflate stream
+READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError,
+               RuntimeError, zlib.error)
 
 
 class KitError(Exception):
@@ -363,8 +367,7 @@ def verify_kit(path: Path) -> list:
     try:
         with handle, zipfile.ZipFile(handle) as archive:
             return check_files(zip_files(archive, problems), problems)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
-            NotImplementedError, RuntimeError) as exc:
+    except (zipfile.LargeZipFile,) + READ_ERRORS as exc:
         return problems + [f"{shown}: not a readable zip archive ({printable(exc)[:200]})"]
 
 
@@ -374,10 +377,6 @@ def _capped(lines: list, what: str) -> list:
         return lines
     rest = len(lines) - MAX_LISTED_PROBLEMS
     return lines[:MAX_LISTED_PROBLEMS] + [f"... and {rest} more {what}"]
-
-
-READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError,
-               RuntimeError)
 
 
 def check_files(files: dict, problems: list) -> list:

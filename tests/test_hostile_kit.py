@@ -210,6 +210,15 @@ def _bad_crc_deflated(m):
     return patch_crc(data, PREFIX + "README.md", info.CRC ^ 0xFFFF)
 
 
+def _corrupt_deflate(m):
+    members = {**m, PREFIX + "README.md": b"hello world " * 100}
+    data = bytearray(zip_bytes(members, compression=zipfile.ZIP_DEFLATED))
+    info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo(PREFIX + "README.md")
+    start = info.header_offset + 30 + len(info.orig_filename.encode())
+    data[start:start + 2] = b"\xff\xff"  # an invalid deflate block type
+    return bytes(data)
+
+
 def patch_crc(data: bytes, name: str, crc: int) -> bytes:
     """Return `data` with member `name`'s CRC-32 set to `crc` in both headers."""
     raw = bytearray(data)
@@ -273,6 +282,7 @@ HOSTILE_ZIPS = {
     "over 1000 members": (_many_members, ["1010 members", "not read"]),
     "local name differs from central": (_other_local_name, ["LICENSE.txt", "unreadable"]),
     "bad CRC in a deflated member": (_bad_crc_deflated, ["README.md"]),
+    "corrupt deflate stream": (_corrupt_deflate, ["README.md", "unreadable", "decompressing"]),
 }
 
 
