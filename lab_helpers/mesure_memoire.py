@@ -340,12 +340,13 @@ def _csv_cell(value):
 def csv_text(header, rows) -> str:
     """CSV text ('\\n' line ends) of `header` and `rows`: numbers stay numbers, None is empty, and a
     text cell starting with = + - @ tab or carriage return gets a leading ' so no spreadsheet runs it."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow([_csv_cell(cell) for cell in header])
-    for row in rows:
-        writer.writerow([_csv_cell(cell) for cell in row])
-    return buffer.getvalue()
+    lines = []
+    for row in [header, *rows]:
+        buffer = io.StringIO()
+        # "\r\n" as the writer's terminator makes it quote a cell holding "\r" as well as "\n"
+        csv.writer(buffer, lineterminator="\r\n").writerow([_csv_cell(cell) for cell in row])
+        lines.append(buffer.getvalue()[:-2] + "\n")
+    return "".join(lines)
 
 
 # ------------------------------------------------------- measurement files
@@ -379,7 +380,8 @@ MEASUREMENT_SCHEMA = {
         "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
                    "items": {"$ref": "#/$defs/phase"}},
     },
-    "if": {"properties": {"configuration": {"required": ["kind"],
+    "if": {"required": ["configuration"],
+           "properties": {"configuration": {"type": "object", "required": ["kind"],
                                             "properties": {"kind": {"const": "transformers"}}}}},
     "then": {"required": ["model"], "properties": {
         "configuration": {"$ref": "#/$defs/transformers_configuration"},
@@ -517,6 +519,10 @@ def _schema_errors(value, schema, where: str, root: dict):
     if schema is False:
         yield where, "is not allowed here"
         return
+    if "if" in schema:  # first: a kind's own bounds (phases of a synthetic file) fail before a long walk
+        branch = "then" if next(_schema_errors(value, schema["if"], where, root), None) is None else "else"
+        if branch in schema:
+            yield from _schema_errors(value, schema[branch], where, root)
     if "$ref" in schema:
         target = root
         for part in schema["$ref"].lstrip("#/").split("/"):
@@ -561,10 +567,6 @@ def _schema_errors(value, schema, where: str, root: dict):
                 yield from _schema_errors(item, properties[key], _json_path(where, key), root)
             elif schema.get("additionalProperties", True) is False:
                 yield where, f"has an unknown key {key[:60]!r}"
-    if "if" in schema:
-        branch = "then" if next(_schema_errors(value, schema["if"], where, root), None) is None else "else"
-        if branch in schema:
-            yield from _schema_errors(value, schema[branch], where, root)
 
 
 def _json_path(where: str, key: str) -> str:
@@ -640,12 +642,18 @@ def read_json_file(path, max_bytes: int = MAX_MEASUREMENT_FILE_BYTES, max_depth:
     if _too_deep(text, max_depth):
         raise LabError(f"{shown}: JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        document = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise LabError(f"{shown}: JSON nested too deeply") from None
     except ValueError as exc:
         first = (str(exc).splitlines() or ["invalid"])[0][:120]
         raise LabError(f"{shown}: not valid JSON: {first}") from None
+    if "\\u" in text:  # an escape may spell half a surrogate pair, which no text can print
+        try:
+            json.dumps(document, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise LabError(f"{shown}: a string holds a lone surrogate escape (not Unicode text)") from None
+    return document
 
 
 def read_measurement(path) -> dict:
@@ -1464,13 +1472,26 @@ def _workspace_from(args):
     return tuple(args.workspace_bytes)
 
 
-def _refuse_existing(path, flag: str) -> None:
+def check_new_output(path) -> None:
+    """Raise LabError now for an output path that write_new_text would refuse at the end (it exists,
+    its folder is missing or not a folder, its name is too long, no permission): check before long work."""
     shown = display_path(path)
-    if os.path.lexists(path):
+    folder, name = os.path.split(os.fspath(path))
+    folder = folder or os.curdir
+    if not name:
+        raise LabError(f"cannot write {shown}: it is a folder")
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a name too long, a parent that is a file, a loop of links
+        raise _output_error(shown, exc) from None
+    else:
         raise LabError(f"{shown} already exists; choose a new file name")
-    folder = os.path.dirname(os.fspath(path)) or os.curdir
     if not os.path.isdir(folder):
         raise LabError(f"cannot write {shown}: its folder does not exist")
+    if not os.access(folder, os.W_OK):
+        raise LabError(f"cannot write {shown}: permission denied")
 
 
 def run_command(args) -> dict:
@@ -1489,9 +1510,9 @@ def run_command(args) -> dict:
         document = read_measurement(args.measurement)
         return compare(document, workspace)
     config = _config_from(args)
-    _refuse_existing(args.output, "--output")
+    check_new_output(args.output)
     if args.failure_report is not None:
-        _refuse_existing(args.failure_report, "--failure-report")
+        check_new_output(args.failure_report)
     document = measure(config)
     write_new_json(args.output, document)
     return {"output": display_path(args.output), "phases": len(document["phases"])}

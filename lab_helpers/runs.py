@@ -9,14 +9,11 @@ import io
 import sys
 from pathlib import Path
 
-try:
-    import pandas as pd
-except ImportError:  # the CLI says how to install it; the lab's set-up always has it
-    pd = None
+pd = None  # pandas, imported on first use: reading and checking the files needs only the standard library
 
 # >>> library only
-from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, display_path,
-                                        read_measurement, write_new_bytes, write_new_text)
+from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_USAGE, CommandParser, LabError, check_new_output, csv_text,
+                                        display_path, read_measurement, write_new_bytes, write_new_text)
 # <<< library only
 
 ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")
@@ -48,23 +45,37 @@ class RunsError(LabError):
 
 
 def _require_pandas():
+    global pd
     if pd is None:
-        raise RunsError(MISSING_PACKAGE.format(name="pandas"))
+        try:
+            import pandas
+        except ImportError:
+            raise RunsError(MISSING_PACKAGE.format(name="pandas")) from None
+        pd = pandas
+    return pd
 
 
-def load_runs(paths) -> "pd.DataFrame":
-    """Return one row per phase record of every file, with its run (file stem), configuration and environment.
-    Each file is read and validated by read_measurement (synthetic or transformers)."""
-    _require_pandas()
-    records, seen = [], set()
+def read_runs(paths) -> list:
+    """[(run name, document)] for the files, each read and validated by read_measurement (synthetic or
+    transformers); the run is named after the file's stem, which must be unique."""
+    documents, seen = [], set()
     for path in map(Path, paths):
         if path.stem in seen:
             raise RunsError(f"two files are named {path.stem!r}; rename one, the run is named after the file")
         seen.add(path.stem)
-        document = read_measurement(path)
+        documents.append((path.stem, read_measurement(path)))
+    return documents
+
+
+def load_runs(paths, documents=None) -> "pd.DataFrame":
+    """Return one row per phase record of every file, with its run (file stem), configuration and environment.
+    `documents` (from read_runs) saves reading the files again."""
+    _require_pandas()
+    records = []
+    for stem, document in documents if documents is not None else read_runs(paths):
         configuration = document["configuration"]
         model = document.get("synthetic_model") or document.get("model") or {}
-        shared = {"run": path.stem,
+        shared = {"run": stem,
                   **{k: configuration.get(k) for k in CONFIGURATION_COLUMNS},
                   "kind": configuration.get("kind", "synthetic"),
                   **{k: model.get(k) for k in MODEL_COLUMNS},
@@ -77,6 +88,7 @@ def load_runs(paths) -> "pd.DataFrame":
 
 def run_phase_labels(df: "pd.DataFrame") -> "pd.Series":
     """Label each record by its phase, with the repeat index for warm forwards: 'warm_forward #0'."""
+    _require_pandas()
     return df["phase"] + df["index"].map(lambda i: "" if pd.isna(i) else f" #{i}")
 
 
@@ -163,11 +175,11 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # --help, or a usage error already printed
         return exc.code
     try:
-        _require_pandas()
         for output in (args.csv, args.plot):
-            if output is not None and Path(output).exists():
-                raise RunsError(f"{display_path(output)} already exists; choose a new file name")
-        df = load_runs(args.files)
+            if output is not None:
+                check_new_output(output)
+        documents = read_runs(args.files)
+        df = load_runs(args.files, documents)
         if args.csv:
             write_new_csv(df, args.csv)
         if args.plot:

@@ -8,13 +8,14 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, cuda_available
+from conftest import ROOT, cuda_available, full_measurement
 
 GIB = 2**30
 MIB = 2**20
@@ -287,3 +288,191 @@ def test_estimate_and_predict_never_import_torch(mm_script, tmp_path):
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------ tables
+ESTIMATE_TABLE = """\
+parameters                 7000000000
+bits per parameter         16 (2 bytes, rounded up)
+weights                    13.04 GiB (14000000000 B; 14.00 GB)
+reserve (your assumption)  4.00 GiB
+total                      17.04 GiB
+not counted: activations, KV cache, quantization metadata (scales, zero points), gradients, optimizer states, \
+CUDA context and libraries (cuBLAS, cuDNN, kernels)
+"""
+PREDICT_TABLE = """\
+prediction: batch 1, context 16, width 64, hidden 256, float32, warmup 1, repeats 1
+phase                     end allocated          peak allocated            end reserved           peak reserved
+model_load          0.13 MiB (132608 B)     0.13 MiB (132608 B)    2.00 MiB (2097152 B)    2.00 MiB (2097152 B)
+inputs              0.13 MiB (136704 B)     0.13 MiB (136704 B)    2.00 MiB (2097152 B)    2.00 MiB (2097152 B)
+cold_forward     33.13 MiB (34743808 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
+warmup           33.13 MiB (34739712 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
+warm_forward #0  33.13 MiB (34743808 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
+each phase starts from the previous one's end
+workspace: 33554432 + 1048576 bytes (measured default: torch 2.11.0+cu130 on NVIDIA H200 (compute capability 9.0))
+reserved assumes: a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no expandable_segments, \
+no max_split_size_mb), enough free memory (no cache flush and retry), and free blocks of equal size taken in the \
+order their segments were made
+"""
+COMPARE_TABLE = """\
+phase            measured peak allocated               predicted  difference B  measured peak reserved\
+               predicted  difference B
+model_load           0.13 MiB (132608 B)     0.13 MiB (132608 B)            +0    2.00 MiB (2097152 B)\
+    2.00 MiB (2097152 B)            +0
+inputs               0.13 MiB (136704 B)     0.13 MiB (136704 B)            +0    2.00 MiB (2097152 B)\
+    2.00 MiB (2097152 B)            +0
+cold_forward      33.16 MiB (34772480 B)  33.16 MiB (34772480 B)            +0  34.00 MiB (35651584 B)\
+  34.00 MiB (35651584 B)            +0
+warmup            33.16 MiB (34772480 B)  33.16 MiB (34772480 B)            +0  34.00 MiB (35651584 B)\
+  34.00 MiB (35651584 B)            +0
+warm_forward #0   33.16 MiB (34772992 B)  33.16 MiB (34772480 B)          +512  34.00 MiB (35651584 B)\
+  34.00 MiB (35651584 B)            +0
+allocated exact (baseline, end and peak of every phase): no
+workspace predicted: 33554432 + 1048576 bytes (measured default: torch 2.11.0+cu130 on NVIDIA H200 (compute \
+capability 9.0)); detected from the cold forward: 34603008 bytes
+"""
+
+
+def test_estimate_table(mm_script):
+    proc = run(mm_script, "estimate", "--parameters", "7000000000", "--bits", "16", "--reserve-gib", "4",
+               "--format", "table")
+    assert proc.returncode == 0 and proc.stdout == ESTIMATE_TABLE
+
+
+def test_predict_table(mm_script):
+    proc = run(mm_script, "predict", "--repeats", "1", "--format", "table")
+    assert proc.returncode == 0 and proc.stdout == PREDICT_TABLE
+
+
+def test_compare_table(mm, mm_script, tmp_path):
+    (tmp_path / "m.json").write_text(json.dumps(full_measurement(mm, mm.MeasureConfig(repeats=1), shift=512)))
+    proc = run(mm_script, "compare", "m.json", "--format", "table", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == COMPARE_TABLE
+    proc = run(mm_script, "compare", "m.json", "--format", "table", "--fail-on-difference", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == COMPARE_TABLE
+
+
+# ---------------------------------------------------- configuration, once
+def test_config_is_validated_once_and_the_device_parsed_once(mm, monkeypatch):
+    calls = []
+    original = mm.parse_device
+    monkeypatch.setattr(mm, "parse_device", lambda device: calls.append(device) or original(device))
+    config = mm.MeasureConfig(device="cuda:3", width=32)
+    assert calls == ["cuda:3"] and config.device_index == 3 and config.hidden is None
+    assert config.hidden_features == 128 and config.record()["hidden"] == 128
+    mm.predict(config)
+    mm.synthetic_model(config)
+    assert calls == ["cuda:3"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch", "2", "--batch must be an integer, got str"),
+    ("batch", True, "--batch must be an integer, got bool"),
+    ("batch", 2.0, "--batch must be an integer, got float"),
+    ("batch", 0, "--batch must be > 0, got 0"),
+    ("repeats", 10_001, "--repeats must be at most 10000, got 10001"),
+    ("warmup", -1, "--warmup must be >= 0, got -1"),
+    ("hidden", 2**22 + 1, "--hidden must be at most 4194304, got 4194305"),
+    ("dtype", "float64", "--dtype must be one of float32, float16, bfloat16, got 'float64'"),
+    ("device", "cuda:0 ", "--device must be an explicit cuda:N (e.g. cuda:0), got 'cuda:0 '"),
+    ("device", None, "--device must be an explicit cuda:N (e.g. cuda:0), got NoneType"),
+])
+def test_config_refuses_bad_fields(mm, field, value, message):
+    with pytest.raises(mm.LabError) as caught:
+        mm.MeasureConfig(**{field: value})
+    assert str(caught.value) == message
+
+
+def test_estimate_bounds_keep_figures_finite(mm):
+    got = mm.estimate(10**18, 64, 2**20)
+    assert got["weight_bytes"] == 8 * 10**18 and math.isfinite(got["total_gib"])
+    with pytest.raises(mm.LabError, match="at most 1000000000000000000"):
+        mm.estimate(10**400, 16)
+
+
+# ------------------------------------------------------ measure's failures
+@pytest.mark.parametrize("error, reason", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total capacity)", "out_of_memory"),
+    ("CUDA error: an illegal memory access was encountered", "cuda_error"),
+])
+def test_failure_report_is_written_on_exit_3(mm, tmp_path, monkeypatch, capsys, error, reason):
+    def failing_measure(config):
+        raise mm.PhaseError("cold_forward", RuntimeError(error + "\nCUDA kernel errors might be reported later"))
+    monkeypatch.setattr(mm, "measure", failing_measure)
+    monkeypatch.chdir(tmp_path)
+    assert mm.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "phase cold_forward failed" in err and "failure report: failure.json" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["failure.json"]
+    assert json.loads((tmp_path / "failure.json").read_text()) == {
+        "kind": "iteragpu-lab measure failure", "phase": "cold_forward", "reason": reason,
+        "message": f"RuntimeError: {error}"}
+
+
+def test_failure_report_path_checked_before_measuring(mm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mm, "measure", lambda config: pytest.fail("measured despite a taken report path"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "failure.json").write_text("keep")
+    assert mm.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 2
+    assert capsys.readouterr().err == "mesure_memoire: error: failure.json already exists; choose a new file name\n"
+    assert (tmp_path / "failure.json").read_text() == "keep" and not (tmp_path / "m.json").exists()
+
+
+# ------------------------------------------------------------ usable memory
+def test_usable_memory_child_command(mm):
+    argv = mm.usable_memory_command(3)
+    assert argv[:2] == [sys.executable, "-c"] and argv[3:] == ["3", str(2 * MIB), "2048"]
+    compile(argv[2], "<usable memory child>", "exec")
+    assert "mem_get_info" in argv[2] and "addmm" in argv[2] and "bfloat16" in argv[2]
+
+
+@pytest.mark.parametrize("script, expected", [
+    ('print("noise"); print(\'{"usable_memory_bytes": 150000000000, "tries": 3}\')',
+     {"usable_memory_bytes": 150000000000, "usable_memory_unavailable_reason": None}),
+    ('print(\'{"usable_memory_bytes": null, "tries": 2048}\')',
+     {"usable_memory_bytes": "unavailable", "usable_memory_unavailable_reason": "no allocation succeeded"}),
+    ('import sys; print("RuntimeError: CUDA driver too old in /home/someone/x", file=sys.stderr); sys.exit(1)',
+     {"usable_memory_bytes": "unavailable",
+      "usable_memory_unavailable_reason": "RuntimeError: CUDA driver too old in <path>"}),
+    ('print("true")', {"usable_memory_bytes": "unavailable", "usable_memory_unavailable_reason": "no allocation succeeded"}),
+    ('import time; time.sleep(30)',
+     {"usable_memory_bytes": "unavailable", "usable_memory_unavailable_reason": "no answer within 1 s"}),
+])
+def test_usable_memory_bookkeeping_with_a_fake_child(mm, script, expected):
+    started = time.monotonic()
+    assert mm.usable_memory(0, command=[sys.executable, "-c", script], timeout_seconds=1) == expected
+    assert time.monotonic() - started < 10
+
+
+def test_environment_without_gpu_says_usable_memory_is_unavailable(mm_script):
+    proc = run(mm_script, "environment")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    if got["device_visible"]:
+        pytest.skip("a GPU is visible: the gpu tests check the figure")
+    assert got["usable_memory_bytes"] == "unavailable"
+    assert got["usable_memory_unavailable_reason"].startswith(("no device visible", "torch cannot"))
+
+
+def test_environment_measures_usable_memory_before_touching_the_device(mm, monkeypatch):
+    torch = pytest.importorskip("torch")
+    order = []
+
+    class Props:
+        name, major, minor, total_memory = "Fake GPU", 9, 0, 100 * 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: order.append(("props", i)) or Props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: order.append(("free", i)) or (90 * 2**30, 100 * 2**30))
+
+    def probe(index):
+        order.append(("probe", index))
+        return {"usable_memory_bytes": 89 * 2**30, "usable_memory_unavailable_reason": None}
+    got = mm.environment("cuda:1", usable_memory_probe=probe)
+    assert order == [("probe", 1), ("props", 1), ("free", 1)]
+    assert got["usable_memory_bytes"] == 89 * 2**30 and got["free_memory_bytes"] == 90 * 2**30
+    assert got["device_visible"] is True and got["usable_memory_unavailable_reason"] is None
+    order.clear()
+    got = mm.environment("cuda:1", usable_memory_figure=False, usable_memory_probe=probe)
+    assert ("probe", 1) not in order and got["usable_memory_bytes"] is None
