@@ -10,21 +10,21 @@ is part of nn.Linear, so the comparison is like for like; GELU is the only extra
 the forward); --no-bias times the plain x @ W.t() products. The harness's host/device
 time ratio comes from mesure_memoire.measure on the same sizes.
 """
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lab_helpers.mesure_memoire import (LabError, MeasureConfig, PhaseError, measure,  # noqa: E402
-                                        synthetic_model, write_new_json)
+from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_PHASE, EXIT_USAGE, MAX_BATCH,  # noqa: E402
+                                        MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_WIDTH, CommandParser, LabError,
+                                        MeasureConfig, PhaseError, check_new_output, measure, synthetic_model,
+                                        whole_number, write_new_json)
 
 FORWARD_TO_BARE_MIN = 0.90  # the warm forward reaches at least 90 % of the bare products' TFLOP/s
 HOST_TO_DEVICE_MAX = 1.05  # the harness's host time is at most 5 % over the device time
 DTYPE = "bfloat16"
 TERA = 1e12
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_PHASE = 0, 1, 2, 3
 
 
 def median_seconds(torch, step, warmup: int, repeats: int) -> float:
@@ -54,7 +54,7 @@ def harness_ratio(config: MeasureConfig) -> dict:
 def forward_vs_bare(torch, config: MeasureConfig, bias: bool) -> dict:
     """Time the warm forward and the bare products on the same weights; return seconds and TFLOP/s."""
     device, dtype = torch.device(config.device), getattr(torch, DTYPE)
-    b, t, w, h = config.batch, config.context, config.width, config.hidden
+    b, t, w, h = config.batch, config.context, config.width, config.hidden_features
     torch.manual_seed(config.seed)  # the layers of mesure_memoire's network, initialised on the GPU directly
     model = torch.nn.Sequential(torch.nn.Linear(w, h, device=device, dtype=dtype), torch.nn.GELU(),
                                 torch.nn.Linear(h, w, device=device, dtype=dtype)).eval()
@@ -77,26 +77,27 @@ def forward_vs_bare(torch, config: MeasureConfig, bias: bool) -> dict:
 
 def main(argv=None) -> int:
     """Run the comparison, print the table and PASS/FAIL; 0 if both targets hold, 1 if not."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("batch", 16), ("context", 4096), ("width", 8192), ("hidden", 32768),
-                          ("warmup", 3), ("repeats", 20)):
-        parser.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+    parser = CommandParser(prog="forward_vs_bare", description=__doc__.splitlines()[0])
+    for name, default, low, high in (("batch", 16, 1, MAX_BATCH), ("context", 4096, 1, MAX_CONTEXT),
+                                     ("width", 8192, 1, MAX_WIDTH), ("hidden", 32768, 1, MAX_HIDDEN),
+                                     ("warmup", 3, 0, MAX_PASSES), ("repeats", 20, 1, MAX_PASSES)):
+        parser.add_argument(f"--{name}", type=whole_number(low, high), default=default,
+                            help=f"{low} to {high} (default {default})")
     parser.add_argument("--device", default="cuda:0", help="explicit cuda:N (default cuda:0)")
     parser.add_argument("--no-bias", action="store_true", help="bare side without bias: x @ W.t() twice")
     parser.add_argument("--output", help="also write the results to this new JSON file")
     args = parser.parse_args(argv)
-    config = MeasureConfig(device=args.device, batch=args.batch, context=args.context, width=args.width,
-                           hidden=args.hidden, dtype=DTYPE, warmup=args.warmup, repeats=args.repeats)
     try:
-        config = config.checked()
+        config = MeasureConfig(device=args.device, batch=args.batch, context=args.context, width=args.width,
+                               hidden=args.hidden, dtype=DTYPE, warmup=args.warmup, repeats=args.repeats)
         try:
             import torch
         except ImportError as exc:
             raise LabError(f"torch cannot be imported ({exc}); this benchmark needs a CUDA build") from None
         if not torch.cuda.is_available():
             raise LabError("no CUDA device is available to torch; this benchmark needs a GPU")
-        if args.output and Path(args.output).exists():
-            raise LabError(f"{args.output} already exists; choose a new file name")
+        if args.output:
+            check_new_output(args.output)
         harness = harness_ratio(config)  # first, in a clean allocator, like a fresh measure run
         torch.cuda.empty_cache()
         timing = forward_vs_bare(torch, config, bias=not args.no_bias)
@@ -123,10 +124,14 @@ def main(argv=None) -> int:
         "pass": checks,
     }
     if args.output:
-        write_new_json(args.output, result)
+        try:
+            write_new_json(args.output, result)
+        except LabError as exc:
+            print(f"forward_vs_bare: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     c = config
     print(f"{result['device_name']}, torch {result['torch_version']}, bf16, B={c.batch} T={c.context} "
-          f"W={c.width} H={c.hidden}, median of {c.repeats}; bare side: {result['bare_variant']}")
+          f"W={c.width} H={c.hidden_features}, median of {c.repeats}; bare side: {result['bare_variant']}")
     print(f"{'':<28}{'seconds':>12}{'TFLOP/s':>10}")
     print(f"{'warm forward':<28}{timing['forward_seconds']:>12.6f}{timing['forward_tflops']:>10.1f}")
     print(f"{'bare products':<28}{timing['bare_seconds']:>12.6f}{timing['bare_tflops']:>10.1f}")
@@ -135,7 +140,7 @@ def main(argv=None) -> int:
     print(f"forward / bare   {ratio:.3f}  (target >= {FORWARD_TO_BARE_MIN:.2f})  {verdict[checks['forward_to_bare']]}")
     print(f"host / device    {harness['host_to_device_time_ratio']:.4f} (target <= {HOST_TO_DEVICE_MAX:.2f})  "
           f"{verdict[checks['host_to_device']]}")
-    return EXIT_OK if all(checks.values()) else EXIT_FAIL
+    return EXIT_OK if all(checks.values()) else EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -130,6 +130,15 @@ def test_prediction_equals_measurement(mm, acceptance, config):
     assert wrong == [] and comparison["allocated_exact"] is True
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_reserved_prediction_equals_measurement(mm, acceptance, config):
+    """Reserved is byte-exact too on the H200 (README, Validation): every baseline, end and peak."""
+    comparison = mm.compare(acceptance[config])
+    wrong = [(r["phase"], r["index"], k, v) for r in comparison["rows"] for k, v in r.items()
+             if k.startswith("difference_") and "reserved" in k and v != 0]
+    assert wrong == []
+
+
 def test_write_acceptance_report(mm, acceptance):
     folder = os.environ.get("ITERAGPU_REPORT_DIR")
     rows = []
@@ -145,6 +154,8 @@ def test_write_acceptance_report(mm, acceptance):
                      "reserved_exact": all(d == 0 for d in diffs),
                      "workspace_detected_bytes": comparison["workspace_detected_bytes"]})
     assert len(rows) == 12
+    assert [row["allocated_records_exact"] for row in rows] == ["9/9"] * 12
+    assert [row["reserved_exact"] for row in rows] == [True] * 12
     if folder:
         with open(Path(folder) / "prediction-acceptance.csv", "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -155,8 +166,53 @@ def test_write_acceptance_report(mm, acceptance):
 def test_impossible_size_exits_3_without_file(tmp_path):
     out = tmp_path / "m.json"
     # the input alone would be 2**20 * 2**16 * 64 * 4 bytes = 16 TiB on the device
-    proc = measure(LIBRARY_SCRIPT, out, "--batch", str(2**20), "--context", str(2**16), "--width", "64")
+    report = tmp_path / "failure.json"
+    proc = measure(LIBRARY_SCRIPT, out, "--batch", str(2**20), "--context", str(2**16), "--width", "64",
+                   "--failure-report", report)
     assert proc.returncode == 3, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "phase inputs failed" in lines[0] and "Traceback" not in proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["failure.json"]  # no measurement file
+    failure = json.loads(report.read_text())
+    assert failure["kind"] == "iteragpu-lab measure failure" and failure["phase"] == "inputs"
+    assert failure["reason"] == "out_of_memory" and "OutOfMemoryError" in failure["message"]
+
+
+HANDLES_THEN_ALLOCATE = """
+import sys
+import torch
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+a = torch.ones((64, 64), device=device)
+keep = [a @ a]
+b = torch.ones((64, 64), device=device, dtype=torch.bfloat16)
+keep.append(torch.addmm(b[0], b, b.t()))
+torch.cuda.synchronize(device)
+extra = int(sys.argv[1]) - torch.cuda.memory_reserved(device)
+block = torch.empty(extra, dtype=torch.uint8, device=device)
+torch.cuda.synchronize(device)
+print(torch.cuda.memory_reserved(device))
+"""
+
+
+def test_usable_memory_is_reachable_by_a_fresh_process(mm_script):
+    proc = subprocess.run([sys.executable, str(mm_script), "environment", "--device", "cuda:0"],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    env = json.loads(proc.stdout)
+    usable = env["usable_memory_bytes"]
+    assert isinstance(usable, int), env["usable_memory_unavailable_reason"]
+    assert env["usable_memory_unavailable_reason"] is None
+    assert 0 < usable <= env["total_memory_bytes"] and usable % (2 * MIB) == 0
+    target = usable - 2 * MIB
+    child = subprocess.run([sys.executable, "-c", HANDLES_THEN_ALLOCATE, str(target)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    assert int(child.stdout.strip()) >= target
+
+
+def test_measurement_file_leaves_usable_memory_unmeasured(mm_script, tmp_path):
+    out = tmp_path / "m.json"
+    assert measure(mm_script, out, *SMALL).returncode == 0
+    environment = json.loads(out.read_text())["environment"]
+    assert environment["usable_memory_bytes"] is None  # a child beside a measuring process would see less
