@@ -381,9 +381,10 @@ def card_table(rows: list) -> list:
     """Return the card's rows as dicts with the price per GPU-day added.
 
     Each dict holds the card's columns (names unchanged: `memory_per_gpu_gib` is the vendor's
-    published "GB" figure) plus `gpu_day_price` (Decimal, currency units, half up to the cent).
+    published "GB" figure) plus `gpu_day_price_usd` (Decimal, US dollars since the card is
+    in USD, rounded half up to the cent).
     """
-    return [{**row, "gpu_day_price": gpu_day_price(row)} for row in rows]
+    return [{**row, "gpu_day_price_usd": gpu_day_price(row)} for row in rows]
 
 
 def _aligned(table: list, right: set) -> list:
@@ -406,7 +407,7 @@ def format_card(rows: list, source: str = CARD_NAME) -> str:
     table = [titles] + [
         (row["model_id"], row["display_name"], str(row["gpus_per_lot"]),
          str(row["memory_per_gpu_gib"]), str(row["duration_days"]),
-         format_cents(row["lot_price_cents"]), str(row["gpu_day_price"]), row["currency"])
+         format_cents(row["lot_price_cents"]), str(row["gpu_day_price_usd"]), row["currency"])
         for row in card_table(rows)
     ]
     dates = _join(sorted({row["snapshot_date"] for row in rows}))

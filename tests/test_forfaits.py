@@ -434,13 +434,13 @@ def test_card_table_gives_every_row_with_its_exact_gpu_day_price(calc):
     table = calc.card_table(calc.load_card(CARD))
     assert len(table) == len(CARD_ROWS)
     for row, text in zip(table, CARD_ROWS):
-        assert set(CARD_HEADER) | {"gpu_day_price"} == set(row)
+        assert set(CARD_HEADER) | {"gpu_day_price_usd"} == set(row)
         assert row["model_id"] == text["model_id"]
         cents = Fraction(int(text["lot_price_cents"]),
                          int(text["gpus_per_lot"]) * int(text["duration_days"]))
-        assert row["gpu_day_price"] == Decimal(half_up(cents.numerator, cents.denominator)) / 100
+        assert row["gpu_day_price_usd"] == Decimal(half_up(cents.numerator, cents.denominator)) / 100
     b200_7 = next(r for r in table if (r["model_id"], r["duration_days"]) == ("b200", 7))
-    assert b200_7["gpu_day_price"] == Decimal("121.22")  # 169707 / (2 x 7) = 12121.93 cents
+    assert b200_7["gpu_day_price_usd"] == Decimal("121.22")  # 169707 / (2 x 7) = 12121.93 cents
 
 
 def test_gpu_day_price_stays_exact_at_the_price_bound(calc):
