@@ -476,3 +476,19 @@ def test_environment_measures_usable_memory_before_touching_the_device(mm, monke
     order.clear()
     got = mm.environment("cuda:1", usable_memory_figure=False, usable_memory_probe=probe)
     assert ("probe", 1) not in order and got["usable_memory_bytes"] is None
+
+
+@pytest.mark.parametrize("source", ["lab_helpers/runs.py", "lab_helpers/plots.py", "benchmarks/forward_vs_bare.py"])
+def test_other_modules_import_only_public_names(source):
+    import ast
+    tree = ast.parse((ROOT / source).read_text(encoding="utf-8"))
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module == "lab_helpers.mesure_memoire" for alias in node.names]
+    assert names and not [name for name in names if name.startswith("_")]
+
+
+def test_benchmark_refuses_bad_flags_in_one_line(tmp_path):
+    for argv in (["--batch", "0"], ["--width", "\u0661"], ["--device", "cpu"], ["--repeats", "10001"]):
+        proc = run(ROOT / "benchmarks" / "forward_vs_bare.py", *argv, cwd=tmp_path)
+        assert_one_line_error(proc).startswith("forward_vs_bare: error: ")
+    assert list(tmp_path.iterdir()) == []
