@@ -231,13 +231,13 @@ def measure_point(config, dimension, value, folder, budget, program, stage,
         code, _, stderr = run_child([*program, "measure", *flags, "--output", path, "--failure-report", report],
                                     timeout_seconds)
         status, reason, document = _outcome(code, stderr, path, report, point, timeout_seconds)
+    except BaseException:  # interrupted: the point is in no summary, so its file goes too
+        _discard(path)
+        raise
     finally:
         _remove(report)
     if status != OK:
-        # a failed point leaves no file: the folder holds measurements only
-        _remove(path)
-        for stray in Path(folder).glob(f".{path.name}.*"):
-            _remove(stray)
+        _discard(path)  # a failed point leaves no file: the folder holds measurements only
         row.update(status=status, reason=reason)
         return row
     phases = document["phases"]
@@ -289,6 +289,13 @@ def _failure_report_outcome(report, stderr) -> tuple:
     phase = document.get("phase") if isinstance(document.get("phase"), str) else "?"
     reason = _one_line(f"phase {phase}: {message or document['reason']}")
     return (OOM if document["reason"] == OUT_OF_MEMORY else ERROR), reason
+
+
+def _discard(path: Path) -> None:
+    """Remove a point's file and any temporary file its writer left beside it."""
+    _remove(path)
+    for stray in path.parent.glob(f".{path.name}.*"):
+        _remove(stray)
 
 
 def _remove(path) -> None:

@@ -3,10 +3,12 @@
 Every usage error: exit 2, one line on stderr, no traceback, nothing created, nothing measured.
 Every failed point: its own status and reason in summary.csv, its file absent, the sweep stopped.
 """
+import _thread
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -272,6 +274,45 @@ def test_a_grandchild_left_behind_does_not_hold_the_sweep(tmp_path, fake):
     while not process_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process_gone(pid)
+
+
+def test_interrupting_the_sweep_kills_the_running_point_and_keeps_no_file(tmp_path, fake):
+    """Interrupting a notebook cell raises KeyboardInterrupt: the point's process group goes with it."""
+    program = fake("batch", fail_above=0, mode="hang_group")
+
+    def interrupt_once_the_point_runs():
+        deadline = time.monotonic() + 30
+        while not program.pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_the_point_runs, daemon=True).start()
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep("batch", out, values=[1], measure_command=program.command, progress=False)
+    pid = int(program.pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(pid)
+    assert list(out.iterdir()) == []
+
+
+def test_interrupted_point_leaves_no_file(tmp_path, fake, monkeypatch):
+    program = fake("batch")
+    real = sweep.run_child
+
+    def measured_then_interrupted(argv, timeout_seconds):
+        answer = real(argv, timeout_seconds)
+        if argv[len(program.command)] == "measure":  # the file is written, then the user interrupts
+            raise KeyboardInterrupt
+        return answer
+
+    monkeypatch.setattr(sweep, "run_child", measured_then_interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep("batch", out, values=[1], measure_command=program.command, progress=False)
+    assert program.calls() == [1] and list(out.iterdir()) == []
 
 
 PYTHON_CASES = [
