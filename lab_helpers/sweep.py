@@ -52,6 +52,7 @@ MAIN_BLOCK = re.compile(r"""^if __name__ == ['"]__main__['"]:""", re.MULTILINE) 
 MAX_REASON_CHARS = 300
 MAX_CHILD_OUTPUT_BYTES = 2**20  # an environment report is a few KiB; stderr's last line is what counts
 MIB = 2**20
+EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 
 class SweepError(Exception):
@@ -566,6 +567,10 @@ def main(argv=None) -> int:
         text = str(exc) if isinstance(exc, LabError) else f"{exc.strerror or type(exc).__name__}"
         print(f"sweep: error: {_one_line(text)} (in {display_path(args.output_dir)})", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:  # the running point's process group is already ended
+        print(f"sweep: interrupted; {display_path(Path(args.output_dir) / SUMMARY_NAME)} holds the points "
+              "that finished", file=sys.stderr)
+        return EXIT_INTERRUPTED
     fits = [row["value"] for row in rows if row["status"] == OK]
     summary = display_path(Path(args.output_dir) / SUMMARY_NAME)
     if args.json:

@@ -298,6 +298,25 @@ def test_interrupting_the_sweep_kills_the_running_point_and_keeps_no_file(tmp_pa
     assert list(out.iterdir()) == []
 
 
+def test_command_line_interrupted_exits_130_with_one_line(tmp_path, fake, monkeypatch, capsys):
+    program = fake("batch")
+    use(monkeypatch, program)
+    real = sweep.run_child
+
+    def interrupted_at_the_second_point(argv, timeout_seconds):
+        if argv[len(program.command)] == "measure" and str(argv[argv.index("--batch") + 1]) == "2":
+            raise KeyboardInterrupt
+        return real(argv, timeout_seconds)
+
+    monkeypatch.setattr(sweep, "run_child", interrupted_at_the_second_point)
+    out = tmp_path / "out"
+    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--output-dir", str(out)]) == 130
+    assert only_line(capsys.readouterr().err) == (
+        f"sweep: interrupted; {out / 'summary.csv'} holds the points that finished")
+    assert sweep.read_summary(out / "summary.csv") == [expected_row("batch", 1, "ok")]
+    assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "summary.csv"]
+
+
 def test_interrupted_point_leaves_no_file(tmp_path, fake, monkeypatch):
     program = fake("batch")
     real = sweep.run_child
