@@ -37,8 +37,13 @@ def snapshot(folder: Path) -> dict:
 
 
 def run_refused(args, cwd: Path, prog: str, *needles):
-    """Run `args` in `cwd`; assert a one-line usage error holding `needles`; return the line."""
-    before = snapshot(cwd)
+    """Run `args` in `cwd`; assert a one-line usage error holding `needles`; return the line.
+
+    The folder `cwd` and, for a standalone copy, the script's own folder stay unchanged."""
+    script = Path(args[0])
+    watched = [cwd] + ([script.parent] if script.parent not in (cwd, LIBRARY.parent) and
+                       script.suffix == ".py" else [])
+    before = [snapshot(folder) for folder in watched]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env,
@@ -54,7 +59,7 @@ def run_refused(args, cwd: Path, prog: str, *needles):
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     assert elapsed < TIME_LIMIT_SECONDS, elapsed
-    assert snapshot(cwd) == before
+    assert [snapshot(folder) for folder in watched] == before
     return lines[0]
 
 
