@@ -180,14 +180,16 @@ def display_path(path) -> str:
     return text if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
+_OS_REASONS = {"ENOENT": "its folder does not exist", "ENOTDIR": "a parent is not a folder",
+               "EACCES": "permission denied", "EPERM": "permission denied", "EROFS": "read-only file system",
+               "ENAMETOOLONG": "file name too long", "ENOSPC": "no space left on the device",
+               "EDQUOT": "disk quota exceeded", "EISDIR": "it is a folder", "ELOOP": "too many symbolic links"}
+
+
 def _os_problem(exc: OSError) -> str:
     import errno
-    reasons = {errno.ENOENT: "its folder does not exist", errno.ENOTDIR: "a parent is not a folder",
-               errno.EACCES: "permission denied", errno.EPERM: "permission denied",
-               errno.EROFS: "read-only file system", errno.ENAMETOOLONG: "file name too long",
-               errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-               errno.EISDIR: "it is a folder", errno.ELOOP: "too many symbolic links"}
-    return reasons.get(exc.errno, os.strerror(exc.errno) if exc.errno else type(exc).__name__)
+    name = errno.errorcode.get(exc.errno, "")  # not every platform defines every code
+    return _OS_REASONS.get(name, os.strerror(exc.errno) if exc.errno else type(exc).__name__)
 
 
 def _output_error(shown: str, exc: OSError) -> LabError:
@@ -810,7 +812,10 @@ def environment(device: str = "cuda:0", usable_memory_figure: bool = True, usabl
     """Report Python, torch, its CUDA/HIP build and the chosen device; never raises for a missing GPU.
     With `usable_memory_figure`, usable_memory_bytes is measured in a child process (see usable_memory);
     `usable_memory_probe` replaces that function (for tests)."""
-    index = parse_device(device)
+    return _environment(device, parse_device(device), usable_memory_figure, usable_memory_probe)
+
+
+def _environment(device: str, index: int, usable_memory_figure: bool, usable_memory_probe) -> dict:
     probe = usable_memory if usable_memory_probe is None else usable_memory_probe
     report = EnvironmentReport(python_version=platform.python_version(), device=device)
     if usable_memory_figure:
@@ -996,7 +1001,8 @@ def measure(config: MeasureConfig) -> dict:
     torch.cuda.init()
     dtype = getattr(torch, config.dtype)
     hidden = config.hidden_features
-    env = environment(config.device, usable_memory_figure=False)  # a child here would see this context
+    # no usable-memory child here: it would compete with this process's own context
+    env = _environment(config.device, config.device_index, usable_memory_figure=False, usable_memory_probe=None)
     model_info = synthetic_model(config)
     phases, state = [], {}
 
