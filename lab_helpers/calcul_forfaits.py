@@ -271,9 +271,7 @@ def load_card(path, shown=None) -> list:
     shown = printable(path if shown is None else shown)
     try:
         text = read_text_file(path, "rate card", MAX_CARD_BYTES, shown)
-    except CardError:
-        raise
-    except ForfaitError as exc:
+    except ForfaitError as exc:  # a file fault is a card fault for the caller
         raise CardError(str(exc)) from None
     return parse_card(text, shown)
 
