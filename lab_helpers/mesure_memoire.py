@@ -1401,13 +1401,6 @@ def add_size_flags(parser) -> None:
                         help=f"measured warm passes, one record each, 1 to {MAX_PASSES} (default 2)")
 
 
-_add_size_flags = add_size_flags  # older names, kept for code written against them
-_positive_int = whole_number(minimum=1)
-_non_negative_int = whole_number(minimum=0)
-_number = decimal_number(minimum=0)
-_Parser = CommandParser
-
-
 def _format_flag(parser) -> None:
     parser.add_argument("--format", choices=("json", "table"), default="json",
                         help="json for programs (default), table for people")
