@@ -362,9 +362,9 @@ def _check_request(dimension, values, start, maximum, config, budget_gib, point_
     return points, config
 
 
-def _check_output_dir(folder: Path) -> None:
-    """Refuse, before anything runs, a folder that exists or cannot be made; mkdir checks again."""
-    shown = display_path(folder)
+def _check_output_dir(folder: Path, shown: str) -> None:
+    """Refuse, before anything runs, a folder that exists or cannot be made (named `shown`, as the user
+    wrote it); mkdir checks again."""
     if os.path.lexists(folder):
         raise SweepError(f"{shown} already exists; choose a new folder")
     parent = folder.parent
@@ -381,8 +381,7 @@ def _check_output_dir(folder: Path) -> None:
         raise SweepError(f"cannot create {shown}: its parent folder is not writable")
 
 
-def _make_output_dir(folder: Path) -> None:
-    shown = display_path(folder)
+def _make_output_dir(folder: Path, shown: str) -> None:
     try:
         folder.mkdir()  # exclusive, and no missing parent is made up
     except FileExistsError:
@@ -406,12 +405,12 @@ def run_sweep(dimension, output_dir, values=None, start=None, maximum=None, conf
                                         or not all(isinstance(a, (str, os.PathLike)) for a in measure_command)):
         raise SweepError(f"measure_command must be a list of arguments, got {_short(measure_command)}")
     folder = Path(output_dir)
-    _check_output_dir(folder)
+    _check_output_dir(folder, os.fspath(output_dir))
     with tempfile.TemporaryDirectory(prefix="sweep-") as workdir:
         program = list(measure_command) if measure_command else measuring_program(workdir, measure_source)
         report = read_environment(program, config.device, usable_memory=budget_gib is None)
         budget = budget_bytes(report, config.device, budget_gib)
-        _make_output_dir(folder)
+        _make_output_dir(folder, os.fspath(output_dir))
         return _run_points(dimension, folder, points, config, budget, bisect, program, progress,
                            point_timeout_seconds, workdir)
 
@@ -565,14 +564,14 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except (LabError, OSError) as exc:  # the folder vanished or filled up mid-sweep
         text = str(exc) if isinstance(exc, LabError) else f"{exc.strerror or type(exc).__name__}"
-        print(f"sweep: error: {_one_line(text)} (in {display_path(args.output_dir)})", file=sys.stderr)
+        print(f"sweep: error: {_one_line(text)} (in {args.output_dir})", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # the running point's process group is already ended
-        print(f"sweep: interrupted; {display_path(Path(args.output_dir) / SUMMARY_NAME)} holds the points "
+        print(f"sweep: interrupted; {os.path.join(args.output_dir, SUMMARY_NAME)} holds the points "
               "that finished", file=sys.stderr)
         return EXIT_INTERRUPTED
     fits = [row["value"] for row in rows if row["status"] == OK]
-    summary = display_path(Path(args.output_dir) / SUMMARY_NAME)
+    summary = os.path.join(args.output_dir, SUMMARY_NAME)
     if args.json:
         print(json.dumps({"rows": rows, "largest_fit": max(fits) if fits else None, "summary": summary}, indent=2))
     else:

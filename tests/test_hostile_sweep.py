@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lab_helpers import sweep
-from lab_helpers.mesure_memoire import LabError, display_path, read_measurement
+from lab_helpers.mesure_memoire import LabError, read_measurement
 from test_sweep import (CUDA_REASON, NO_GPU, OOM_REASON, ROOT, VISIBLE, expected_row,  # noqa: F401
                         fake)
 
@@ -398,10 +398,14 @@ def test_command_line_unicode_digits_in_a_real_process(tmp_path):
     assert not out.exists()
 
 
-def test_output_dir_shown_as_given(tmp_path, fake, monkeypatch, capsys):
+@pytest.mark.parametrize("given", ["taken", "./taken/", "{cwd}/taken", "{cwd}/missing/out"])
+def test_output_dir_shown_as_given(tmp_path, fake, monkeypatch, capsys, given):
     use(monkeypatch, fake("batch"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").mkdir()
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", "taken"]) == 2
-    assert only_line(capsys.readouterr().err) == "sweep: error: taken already exists; choose a new folder"
-    assert display_path(tmp_path / "taken") == "taken"
+    given = given.format(cwd=tmp_path)
+    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", given]) == 2
+    line = only_line(capsys.readouterr().err)
+    assert line in (f"sweep: error: {given} already exists; choose a new folder",
+                    f"sweep: error: cannot create {given}: its parent folder does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fakes", "taken"]
