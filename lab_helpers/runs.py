@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--counter peak_reserved_bytes --csv runs.csv --plot runs.png",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="FILE",
-                        help="measurement JSON files (mesure_memoire measure, or real_model measure)")
+                        help="measurement JSON files (of mesure_memoire measure, or of a transformers model)")
     parser.add_argument("--counter", choices=BYTE_COUNTERS, default="peak_allocated_bytes",
                         help="counter of the per-phase table and of the bars (default peak_allocated_bytes)")
     parser.add_argument("--csv", metavar="OUT", help="also write the tidy table to this new CSV file")
