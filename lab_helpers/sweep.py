@@ -320,18 +320,33 @@ def write_summary(rows, folder) -> Path:
 
 
 def read_summary(path) -> list:
-    """Read a summary.csv back into rows, byte counts as int (None where not measured)."""
+    """Read a summary.csv back into rows, byte counts as int (None where not measured); raise SweepError
+    naming the file and line of the first fault."""
     import csv
-    with open(path, newline="", encoding="utf-8") as handle:
-        rows = list(csv.DictReader(handle))
-    for row in rows:
+    shown = os.fspath(path)
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            if tuple(reader.fieldnames or ()) != SUMMARY_COLUMNS:
+                raise SweepError(f"{shown}: line 1: the header is not {','.join(SUMMARY_COLUMNS)}")
+            rows = [(reader.line_num, row) for row in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SweepError(f"cannot read {shown}: {_one_line(getattr(exc, 'strerror', None) or exc)}") from None
+    for line, row in rows:
+        if None in row or None in row.values():
+            raise SweepError(f"{shown}: line {line}: not {len(SUMMARY_COLUMNS)} cells")
         for key, text in row.items():  # undo csv_text's guard against spreadsheet formulas
             if text[:1] == "'" and text[1:2] in ("=", "+", "-", "@", "\t", "\r"):
                 row[key] = text[1:]
-        row["value"] = int(row["value"])
-        for key in BYTE_COLUMNS:
-            row[key] = int(row[key]) if row[key] != "" else None
-    return rows
+        for key in ("value", *BYTE_COLUMNS):
+            text = row[key]
+            if text == "" and key != "value":
+                row[key] = None
+            elif re.fullmatch(r"[0-9]{1,20}", text):
+                row[key] = int(text)
+            else:
+                raise SweepError(f"{shown}: line {line}: {key} is not a whole number: {_short(text)}")
+    return [row for _, row in rows]
 
 
 # -------------------------------------------------------------------- sweep

@@ -6,6 +6,7 @@ Every failed point: its own status and reason in summary.csv, its file absent, t
 import _thread
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -409,3 +410,32 @@ def test_output_dir_shown_as_given(tmp_path, fake, monkeypatch, capsys, given):
     assert line in (f"sweep: error: {given} already exists; choose a new folder",
                     f"sweep: error: cannot create {given}: its parent folder does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fakes", "taken"]
+
+
+HEADER = ",".join(sweep.SUMMARY_COLUMNS)
+BAD_SUMMARIES = [
+    ("empty", "", "line 1: the header is not"),
+    ("other-header", "a,b,c\n1,2,3\n", "line 1: the header is not"),
+    ("short-row", HEADER + "\nbatch,1,sweep\n", "line 2: not 10 cells"),
+    ("long-row", HEADER + "\nbatch,1,sweep,ok,,1,2,1,2,f.json,extra\n", "line 2: not 10 cells"),
+    ("value-not-a-number", HEADER + "\nbatch,one,sweep,ok,,1,2,1,2,f.json\n", "line 2: value is not a whole number"),
+    ("bytes-negative", HEADER + "\nbatch,1,sweep,ok,,-1,2,1,2,f.json\n", "line 2: predicted_peak_allocated_bytes"),
+    ("bytes-unicode-digits", HEADER + "\nbatch,1,sweep,ok,,\u0661,2,1,2,f.json\n", "line 2: predicted_peak_allocated"),
+    ("value-empty", HEADER + "\nbatch,,sweep,ok,,1,2,1,2,f.json\n", "line 2: value is not a whole number"),
+    ("not-utf8", None, "cannot read"),
+    ("a-folder", "folder", "cannot read"),
+]
+
+
+@pytest.mark.parametrize("text, message", [c[1:] for c in BAD_SUMMARIES], ids=[c[0] for c in BAD_SUMMARIES])
+def test_bad_summary_file_is_one_sweep_error_naming_the_line(tmp_path, text, message):
+    path = tmp_path / "summary.csv"
+    if text == "folder":
+        path.mkdir()
+    elif text is None:
+        path.write_bytes(HEADER.encode() + b"\nbatch,1,sweep,ok,\xff\xfe,1,2,1,2,f.json\n")
+    else:
+        path.write_text(text, encoding="utf-8")
+    with pytest.raises(sweep.SweepError, match=re.escape(message)) as caught:
+        sweep.plot_sweep(path)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
