@@ -15,7 +15,8 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from lab_helpers.calcul_forfaits import printable
-from lab_helpers.mesure_memoire import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CommandParser
+from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CommandParser, LabError,
+                                        write_new_bytes)
 
 PROG = "kit"
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,9 +162,9 @@ def _same_bytes(path: Path, data: bytes) -> bool:
         return handle.read(len(data) + 1) == data
 
 
-def _write_whole(output: Path, data: bytes, replace: bool, shown: str) -> None:
-    """Write `data` to `output` whole or not at all: a temporary file beside it, then a link
-    (exclusive: fails if the name was taken meanwhile) or, with `replace`, a rename."""
+def _replace_whole(output: Path, data: bytes, shown: str) -> None:
+    """Replace `output` with `data` whole or not at all (--force): a temporary file beside it,
+    created with the user's mode, then renamed over it."""
     tmp = output.with_name(f".{output.name[:100]}.{secrets.token_hex(8)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
@@ -175,12 +176,7 @@ def _write_whole(output: Path, data: bytes, replace: bool, shown: str) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        if replace:
-            os.replace(tmp, output)
-        else:
-            os.link(tmp, output)
-    except FileExistsError:
-        raise KitError(f"{shown} appeared while building; build again") from None
+        os.replace(tmp, output)
     except OSError as exc:
         raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
     finally:
@@ -188,14 +184,17 @@ def _write_whole(output: Path, data: bytes, replace: bool, shown: str) -> None:
             os.unlink(tmp)
 
 
+def _relative_to_cwd(path) -> str:
+    """Return `path` relative to the current folder, or as is where that is impossible."""
+    try:
+        return os.path.relpath(path)
+    except (ValueError, OSError):  # another drive, or the current folder was deleted
+        return os.fspath(path)
+
+
 def _shown_path(path, given: bool) -> str:
     """Return `path` as the user typed it, or (a default) relative to the current folder."""
-    if given:
-        return printable(os.fspath(path))
-    try:
-        return printable(os.path.relpath(path))
-    except (ValueError, OSError):
-        return printable(os.fspath(path))
+    return printable(os.fspath(path) if given else _relative_to_cwd(path))
 
 
 def build_kit(root: Path = ROOT, output: Path = None, force: bool = False) -> tuple:
@@ -217,7 +216,13 @@ def build_kit(root: Path = ROOT, output: Path = None, force: bool = False) -> tu
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
-    _write_whole(output, data, replace=force, shown=shown)
+    if os.path.lexists(output):  # only with --force, checked above
+        _replace_whole(output, data, shown)
+        return output, True
+    try:  # the lab's exclusive writer; a default output goes relative, as its errors show it
+        write_new_bytes(output if given else Path(_relative_to_cwd(output)), data)
+    except LabError as exc:
+        raise KitError(str(exc)) from None
     return output, True
 
 
