@@ -14,6 +14,8 @@ import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from lab_helpers.notebook_strip import committed_form
+
 ROOT = Path(__file__).resolve().parent.parent
 KIT_NAME = "iteragpu-lab-v1"
 DEFAULT_OUTPUT = Path("dist") / f"{KIT_NAME}.zip"
@@ -68,6 +70,7 @@ def read_sources(root: Path) -> dict:
         if not path.is_file():
             raise KitError(f"cannot build the kit: {source} is missing")
         contents[member] = path.read_bytes()
+    contents[NOTEBOOK] = committed_form(contents[NOTEBOOK])  # outputs stay in the working copy
     check_notebook(contents[NOTEBOOK], MEMBERS[NOTEBOOK])
     return contents
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import nbformat
 
+from lab_helpers.notebook_strip import GENERATED_TAG_PREFIX
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_SOURCES = {
     "notebooks/mesure-memoire.ipynb": (
@@ -22,7 +24,7 @@ NOTEBOOK_SOURCES = {
     ),
     "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py",),
 }
-TAG_PREFIX = "generated-from:"
+TAG_PREFIX = GENERATED_TAG_PREFIX
 BANNER = "# Generated from {source} by `make sync`: edit that file, not this cell."
 MAIN_GUARD = 'if __name__ == "__main__":'
 FIX_COMMAND = "make sync"
@@ -101,9 +103,13 @@ def sync(root: Path = ROOT, check: bool = False, only=None) -> list:
             if source not in cells:
                 raise KeyError(f"{notebook} has no cell tagged {TAG_PREFIX}{source}")
             want = cell_text(source, root)
-            if cells[source].source != want:
+            cell = cells[source]
+            view = cell.metadata.setdefault("jupyter", {})
+            # collapsed, so the notebook opens on its lesson rather than on the library
+            if cell.source != want or view.get("source_hidden") is not True:
                 stale.append(f"{notebook} <- {source}")
-                cells[source].source = want
+                cell.source = want
+                view["source_hidden"] = True
                 changed = True
         if changed and not check:
             nbformat.write(nb, path)

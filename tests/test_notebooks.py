@@ -1,5 +1,9 @@
-"""Committed notebooks: no outputs, a parameters cell, no project import, no drift from lab_helpers."""
+"""Committed notebooks: no outputs, a parameters cell, no project import, no drift from lab_helpers.
+
+Cells are numbered from 1, every cell counted (markdown too), as JupyterLab shows them: "cell N"
+means the same cell here, in the kit's refusals and in make sync's messages."""
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +12,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from lab_helpers import notebook_sync
+from lab_helpers import notebook_strip, notebook_sync
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -17,12 +21,35 @@ def test_the_three_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["forfaits.ipynb", "mesure-memoire.ipynb", "pic-vs-reserve.ipynb"]
 
 
+def committed_forms(path: Path) -> dict:
+    """Return what the repository holds for `path`: the HEAD and staged blobs in a git checkout
+    (the working copy may keep its outputs), else the file itself."""
+    git = shutil.which("git")
+    top = subprocess.run([git, "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True,
+                         text=True) if git else None
+    if top is None or top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+        return {"file": path.read_bytes()}
+    rel = path.relative_to(ROOT).as_posix()
+    forms = {}
+    for label, spec in (("HEAD", f"HEAD:{rel}"), ("staged", f":{rel}")):
+        proc = subprocess.run([git, "show", spec], cwd=ROOT, capture_output=True)
+        if proc.returncode == 0:
+            forms[label] = proc.stdout
+    return forms or {"file": path.read_bytes()}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_without_outputs_or_execution_counts(path):
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    assert dirty == [], f"{path.name}: cells {dirty} carry outputs; clear them (Kernel > Restart and Clear Outputs)"
+    for label, data in committed_forms(path).items():
+        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
+        nbformat.validate(nb)
+        dirty = [n for n, c in enumerate(nb.cells, start=1)
+                 if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+        assert dirty == [], (f"{path.name} ({label}): cell {dirty[0]} has outputs or an execution count;"
+                             " run `make test` once (it sets git's notebook filter), "
+                             "then `git add` the notebook again")
+        assert notebook_strip.strip_bytes(data) == data, (
+            f"{path.name} ({label}): volatile metadata committed; `git add` it again with the filter set")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
