@@ -1,4 +1,5 @@
-# The lab's commands. `make lab` and `make test` create .venv on first use.
+# The lab's commands. `make lab` and `make test` create .venv on first use (and update it when
+# a requirement file changes), and set git's notebook filter.
 PY := .venv/bin/python
 KIT ?= dist/iteragpu-lab-v1.zip
 # Extra JupyterLab flags, e.g. make lab LAB_ARGS="--no-browser --port 8888"
