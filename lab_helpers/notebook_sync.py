@@ -162,11 +162,14 @@ def sync(root: Path = ROOT, check: bool = False, only=None) -> list:
                 raise KeyError(f"{notebook} has no cell tagged {TAG_PREFIX}{source}")
             want = cell_text(source, root, sources[:position])
             cell = cells[source]
-            view = cell.metadata.setdefault("jupyter", {})
-            # collapsed, so the notebook opens on its lesson rather than on the library
-            if cell.source != want or view.get("source_hidden") is not True:
+            if cell.source != want:
                 stale.append(f"{notebook} <- {source}")
                 cell.source = want
+                changed = True
+            # Collapsed, so the notebook opens on its lesson. A cell you opened is a view choice,
+            # not drift: git's filter stores it collapsed anyway; a write closes it again.
+            view = cell.metadata.setdefault("jupyter", {})
+            if view.get("source_hidden") is not True:
                 view["source_hidden"] = True
                 changed = True
         if changed and not check:
