@@ -28,6 +28,7 @@ STDERR_OUTPUT = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.s
 CODE_PROMPTS = ".jp-Notebook .jp-CodeCell .jp-InputArea-prompt"
 EXECUTION_INDICATOR = ".jp-Notebook-ExecutionIndicator"
 DIALOG = ".jp-Dialog"
+CURRENT_TAB = ".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current"
 # The Run menu's "Run All Cells" item (it runs notebook:run-all-cells on the current notebook).
 RUN_ALL_COMMAND = "runmenu:run-all"
 # Only the JupyterLab settings that would reach the network or cover the page with a toast.
@@ -360,14 +361,18 @@ class NotebookPage:
                                 f"kernel {self.kernel_status()}{self.dialog_note()})", poll=0.5)
 
     def save(self, seconds: float = 30) -> None:
-        """Ctrl+S, then wait until the tab is no longer marked as modified."""
+        """Ctrl+S on a notebook its run has modified, then wait until its tab is no longer
+        marked as modified."""
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.by import By
         from selenium.webdriver.common.keys import Keys
 
+        def modified():
+            return self.driver.find_elements(By.CSS_SELECTOR, f"{CURRENT_TAB}.jp-mod-dirty")
+
+        wait_for(modified, 10, f"{self.name}: not marked as modified after its run")
         ActionChains(self.driver).key_down(Keys.CONTROL).send_keys("s").key_up(Keys.CONTROL).perform()
-        wait_for(lambda: not self.driver.find_elements(By.CSS_SELECTOR, ".lm-TabBar-tab.jp-mod-current.jp-mod-dirty")
-                 and self.driver.find_elements(By.CSS_SELECTOR, ".lm-TabBar-tab.jp-mod-current"),
+        wait_for(lambda: not modified() and self.driver.find_elements(By.CSS_SELECTOR, CURRENT_TAB),
                  seconds, f"{self.name}: still unsaved after Ctrl+S")
 
     def show_first_output(self) -> None:
