@@ -32,8 +32,10 @@ if [ ! -x "$venv/bin/python" ]; then
   else
     python3 -m venv "$venv"
   fi
-else
+elif [ -f "$stamp" ]; then
   echo "venv: requirement files changed since .venv was set up ($purpose): updating it"
+else
+  echo "venv: adding what $purpose needs to .venv"
 fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 constraints="$venv/constraints-in-use.txt"
