@@ -1,6 +1,6 @@
 """The lab as people use it: JupyterLab (started as `make lab` starts it) in headless Chromium,
-each notebook run from the Run menu, checked for errors, photographed and saved; git must still
-see a clean checkout afterwards, thanks to the notebook clean filter.
+each notebook run from the Run menu, checked for errors, photographed and saved; thanks to the
+notebook clean filter, git then has nothing to commit.
 
 Marked `browser`. Without Chromium, its driver or selenium these tests FAIL and say what to
 install (a skip would read as a pass); deselect them explicitly with `-m "not browser"`.
