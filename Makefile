@@ -1,4 +1,5 @@
-# The lab's commands. `make lab` and `make test` create .venv on first use.
+# The lab's commands. `make lab` and `make test` create .venv on first use (and update it when
+# a requirement file changes), and set git's notebook filter.
 PY := .venv/bin/python
 KIT ?= dist/iteragpu-lab-v1.zip
 # Extra JupyterLab flags, e.g. make lab LAB_ARGS="--no-browser --port 8888"
@@ -6,13 +7,20 @@ LAB_ARGS ?=
 # Rented GPU machines often log you in as root, where JupyterLab refuses to start without this.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-gpu sync sync-check kit verify-kit venv-lab venv-test
+.PHONY: lab test test-gpu sync sync-check kit verify-kit venv-lab venv-test git-filter
 
-venv-lab:
+venv-lab: git-filter
 	bash .ci/venv.sh lab
 
-venv-test:
+venv-test: git-filter
 	bash .ci/venv.sh test
+
+# Git stores notebooks without outputs (see .gitattributes): a run notebook keeps its outputs in
+# the working copy only. Set in this checkout's own git config, and only when this folder is the
+# top of a git checkout (an unpacked copy inside another repository is left alone).
+git-filter:
+	@if [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$$(pwd -P)" ]; then \
+	  git config filter.notebook-strip.clean "python3 -m lab_helpers.notebook_strip"; fi
 
 lab: venv-lab
 	$(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)

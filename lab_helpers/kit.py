@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from lab_helpers.calcul_forfaits import printable
 from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CommandParser, LabError,
                                         write_new_bytes)
+from lab_helpers.notebook_strip import committed_form
 
 PROG = "kit"
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +128,7 @@ def read_sources(root: Path) -> dict:
         except OSError as exc:
             raise KitError(f"cannot build the kit: cannot read {source} "
                            f"({exc.strerror or exc})") from None
+    contents[NOTEBOOK] = committed_form(contents[NOTEBOOK])  # outputs stay in the working copy
     check_notebook(contents[NOTEBOOK], MEMBERS[NOTEBOOK])
     return contents
 

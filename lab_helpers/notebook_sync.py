@@ -8,10 +8,14 @@ notebook kernel runs as ``__main__``), under a banner naming the file to edit.
     python -m lab_helpers.notebook_sync --check  # exit 1 if any cell drifted
 """
 import argparse
+import ast
+import re
 import sys
 from pathlib import Path
 
 import nbformat
+
+from lab_helpers.notebook_strip import GENERATED_TAG_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_SOURCES = {
@@ -20,9 +24,10 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/plots.py",
         "lab_helpers/sweep.py",
     ),
-    "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py",),
+    "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/grid.py"),
+    "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py"),
 }
-TAG_PREFIX = "generated-from:"
+TAG_PREFIX = GENERATED_TAG_PREFIX
 BANNER = "# Generated from {source} by `make sync`: edit that file, not this cell."
 MAIN_GUARD = 'if __name__ == "__main__":'
 FIX_COMMAND = "make sync"
@@ -30,10 +35,48 @@ FIX_COMMAND = "make sync"
 
 LIBRARY_ONLY_START = "# >>> library only"
 LIBRARY_ONLY_END = "# <<< library only"
+# `from lab_helpers import calcul_forfaits as calc`: in the notebook that module is an earlier cell
+SIBLING_ALIAS = re.compile(r"^from lab_helpers import (\w+) as (\w+)$")
+RENAMED_NOTE = "# Names this file shares with an earlier cell end in _{stem} here: {names}."
 
 
-def cell_text(source: str, root: Path = ROOT) -> str:
-    """Return the notebook cell text generated from the module file `source`."""
+def top_level_names(code: str) -> set:
+    """Names a module's code defines at top level (functions, classes, assignments; not imports)."""
+    names = set()
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def rename(code: str, names: set, suffix: str) -> str:
+    """Return `code` with every use and definition of the top-level `names` given `suffix`."""
+    spots = []  # (line index, start byte, end byte): ast columns count UTF-8 bytes
+    lines = code.split("\n")
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name) and node.id in names:
+            spots.append((node.lineno - 1, node.col_offset, node.end_col_offset))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+            line = lines[node.lineno - 1].encode("utf-8")
+            match = re.compile(rb"(?:async\s+)?(?:def|class)\s+").match(line, node.col_offset)
+            spots.append((node.lineno - 1, match.end(), match.end() + len(node.name.encode())))
+        elif isinstance(node, (ast.Global, ast.Nonlocal, ast.arg)):
+            bound = node.names if not isinstance(node, ast.arg) else [node.arg]
+            if names & set(bound):
+                raise ValueError(f"cannot rename {sorted(names & set(bound))}: bound by a global "
+                                 "statement or a parameter; give them names of their own")
+    encoded = [line.encode("utf-8") for line in lines]
+    for index, start, end in sorted(spots, reverse=True):
+        encoded[index] = encoded[index][:start] + encoded[index][start:end] + suffix.encode() + encoded[index][end:]
+    return "\n".join(line.decode("utf-8") for line in encoded)
+
+
+def cell_text(source: str, root: Path = ROOT, earlier: tuple = ()) -> str:
+    """Return the notebook cell text generated from the module file `source`, `earlier` being
+    the sources the notebook inlines in cells above it (one namespace for all of them)."""
     text = (root / source).read_text(encoding="utf-8")
     lines = text.splitlines()
     if MAIN_GUARD in lines:
@@ -43,8 +86,25 @@ def cell_text(source: str, root: Path = ROOT) -> str:
         start = lines.index(LIBRARY_ONLY_START)
         end = lines.index(LIBRARY_ONLY_END, start)
         del lines[start:end + 1]
+    earlier_names = set()
+    for position, previous in enumerate(earlier):
+        earlier_names |= top_level_names(module_text(cell_text(previous, root, earlier[:position])))
+    stems = {Path(previous).stem for previous in earlier}
+    for i, line in enumerate(lines):
+        match = SIBLING_ALIAS.match(line)
+        if match:
+            if match.group(1) not in stems:
+                raise ValueError(f"{source} imports lab_helpers.{match.group(1)}, which no cell above "
+                                 "it inlines")
+            lines[i] = f'{match.group(2)} = __import__("sys").modules[__name__]  # {match.group(1)}: a cell above'
     body = "\n".join(lines).rstrip()
-    return BANNER.format(source=source) + "\n" + body + "\n"
+    banner = BANNER.format(source=source)
+    shared = top_level_names(body) & earlier_names
+    if shared:
+        stem = Path(source).stem
+        body = rename(body, shared, "_" + stem)
+        banner += "\n" + RENAMED_NOTE.format(stem=stem, names=", ".join(sorted(shared)))
+    return banner + "\n" + body + "\n"
 
 
 def module_text(cell_source: str) -> str:
@@ -97,13 +157,20 @@ def sync(root: Path = ROOT, check: bool = False, only=None) -> list:
         nb = nbformat.read(path, as_version=4)
         cells = generated_cells(nb)
         changed = False
-        for source in sources:
+        for position, source in enumerate(sources):
             if source not in cells:
                 raise KeyError(f"{notebook} has no cell tagged {TAG_PREFIX}{source}")
-            want = cell_text(source, root)
-            if cells[source].source != want:
+            want = cell_text(source, root, sources[:position])
+            cell = cells[source]
+            if cell.source != want:
                 stale.append(f"{notebook} <- {source}")
-                cells[source].source = want
+                cell.source = want
+                changed = True
+            # Collapsed, so the notebook opens on its lesson. A cell you opened is a view choice,
+            # not drift: git's filter stores it collapsed anyway; a write closes it again.
+            view = cell.metadata.setdefault("jupyter", {})
+            if view.get("source_hidden") is not True:
+                view["source_hidden"] = True
                 changed = True
         if changed and not check:
             nbformat.write(nb, path)

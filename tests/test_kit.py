@@ -156,15 +156,26 @@ def test_refuses_to_overwrite_a_different_file_and_leaves_it(fake_root, tmp_path
     {"outputs": [{"output_type": "stream", "name": "stdout", "text": "1\n"}]},
     {"execution_count": 3},
 ], ids=["outputs", "execution_count"])
-def test_refuses_a_notebook_with_outputs_or_counts(fake_root, tmp_path, capsys, cell_change):
+def test_packages_the_notebook_without_outputs_or_counts(fake_root, tmp_path, capsys, cell_change):
     notebook = json.loads(json.dumps(CLEAN_NOTEBOOK))
     notebook["cells"][1].update(cell_change)
     write_notebook(fake_root, notebook)
+    source = fake_root / kit.MEMBERS[kit.NOTEBOOK]
+    before = source.read_bytes()
+    output = tmp_path / "dist" / "kit.zip"
+    status, _, err = run_main(capsys, "build", "--root", fake_root, "--output", output)
+    assert status == 0 and err == ""
+    packed = json.loads(zip_members(output)[PREFIX + kit.NOTEBOOK])
+    assert packed["cells"][1]["outputs"] == [] and packed["cells"][1]["execution_count"] is None
+    assert source.read_bytes() == before  # the working copy keeps its outputs
+
+
+def test_refuses_a_notebook_that_is_not_json(fake_root, tmp_path, capsys):
+    (fake_root / kit.MEMBERS[kit.NOTEBOOK]).write_text('{"cells": [', encoding="utf-8")
     output = tmp_path / "dist" / "kit.zip"
     status, out, err = run_main(capsys, "build", "--root", fake_root, "--output", output)
     assert status == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1
-    assert "mesure-memoire.ipynb" in err and "cell 2" in err
+    assert len(err.strip().splitlines()) == 1 and "mesure-memoire.ipynb" in err
     assert not output.exists()
     assert not output.parent.exists() or not any(output.parent.iterdir())
 

@@ -1,5 +1,11 @@
-"""Committed notebooks: no outputs, a parameters cell, no project import, no drift from lab_helpers."""
+"""Committed notebooks: no outputs, a parameters cell, no project import, no drift from lab_helpers.
+
+Cells are numbered from 1, every cell counted (markdown too), as JupyterLab shows them: "cell N"
+means the same cell here, in the kit's refusals and in make sync's messages."""
+import ast
+import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +14,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from lab_helpers import notebook_sync
+from lab_helpers import notebook_strip, notebook_sync
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -17,12 +23,35 @@ def test_the_three_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["forfaits.ipynb", "mesure-memoire.ipynb", "pic-vs-reserve.ipynb"]
 
 
+def committed_forms(path: Path) -> dict:
+    """Return what the repository holds for `path`: the HEAD and staged blobs in a git checkout
+    (the working copy may keep its outputs), else the file itself."""
+    git = shutil.which("git")
+    top = subprocess.run([git, "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True,
+                         text=True) if git else None
+    if top is None or top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+        return {"file": path.read_bytes()}
+    rel = path.relative_to(ROOT).as_posix()
+    forms = {}
+    for label, spec in (("HEAD", f"HEAD:{rel}"), ("staged", f":{rel}")):
+        proc = subprocess.run([git, "show", spec], cwd=ROOT, capture_output=True)
+        if proc.returncode == 0:
+            forms[label] = proc.stdout
+    return forms or {"file": path.read_bytes()}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_without_outputs_or_execution_counts(path):
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    assert dirty == [], f"{path.name}: cells {dirty} carry outputs; clear them (Kernel > Restart and Clear Outputs)"
+    for label, data in committed_forms(path).items():
+        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
+        nbformat.validate(nb)
+        dirty = [n for n, c in enumerate(nb.cells, start=1)
+                 if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+        assert dirty == [], (f"{path.name} ({label}): cell {dirty[0]} has outputs or an execution count;"
+                             " run `make test` once (it sets git's notebook filter), "
+                             "then `git add` the notebook again")
+        assert notebook_strip.strip_bytes(data) == data, (
+            f"{path.name} ({label}): volatile metadata committed; `git add` it again with the filter set")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -53,11 +82,21 @@ def test_sync_check_command_names_the_fix(tmp_path):
             (tmp_path / source).write_bytes((ROOT / source).read_bytes())
     edited = tmp_path / "lab_helpers" / "plots.py"
     edited.write_text(edited.read_text() + "\nEDITED_ONLY_IN_THE_LIBRARY = 1\n")
-    assert notebook_sync.sync(tmp_path, check=True) == ["notebooks/mesure-memoire.ipynb <- lab_helpers/plots.py"]
-    assert notebook_sync.sync(tmp_path) == ["notebooks/mesure-memoire.ipynb <- lab_helpers/plots.py"]
+    both = ["notebooks/mesure-memoire.ipynb <- lab_helpers/plots.py",
+            "notebooks/pic-vs-reserve.ipynb <- lab_helpers/plots.py"]
+    assert notebook_sync.sync(tmp_path, check=True) == both
+    assert notebook_sync.sync(tmp_path) == both
     assert notebook_sync.sync(tmp_path, check=True) == []
     code = notebook_sync.notebook_code("notebooks/mesure-memoire.ipynb", "lab_helpers/plots.py", tmp_path)
     assert "EDITED_ONLY_IN_THE_LIBRARY = 1" in code
+    # a generated cell opened and saved is no drift; a write closes it again
+    path = tmp_path / "notebooks/forfaits.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    notebook_sync.generated_cells(nb)["lab_helpers/grid.py"].metadata["jupyter"]["source_hidden"] = False
+    nbformat.write(nb, path)
+    assert notebook_sync.sync(tmp_path, check=True) == []
+    assert notebook_sync.sync(tmp_path) == []
+    assert path.read_bytes() == (ROOT / "notebooks/forfaits.ipynb").read_bytes()
 
 
 def test_check_cli_exit_status():
@@ -72,3 +111,173 @@ def test_generated_cells_drop_the_main_block_and_library_imports():
             code = notebook_sync.notebook_code(notebook, source)
             assert notebook_sync.MAIN_GUARD not in code
             assert notebook_sync.LIBRARY_ONLY_START not in code
+
+
+# --- the lesson comes first; cells call the library, they do not restate it ---------------
+
+def _generated_source(cell) -> str:
+    tags = [t for t in cell.metadata.get("tags", []) if t.startswith(notebook_sync.TAG_PREFIX)]
+    return tags[0][len(notebook_sync.TAG_PREFIX):] if tags else None
+
+
+@pytest.mark.parametrize("notebook", sorted(notebook_sync.NOTEBOOK_SOURCES), ids=lambda n: Path(n).name)
+def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
+    # what is committed: a cell you opened in your working copy is stored collapsed by the filter
+    data = next(iter(committed_forms(ROOT / notebook).values()))
+    nb = nbformat.reads(data.decode("utf-8"), as_version=4)
+    numbers = [n for n, c in enumerate(nb.cells, start=1) if _generated_source(c)]
+    sources = notebook_sync.NOTEBOOK_SOURCES[notebook]
+    assert [_generated_source(nb.cells[n - 1]) for n in numbers] == list(sources)
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "generated cells stay together"
+    for n in numbers:
+        assert nb.cells[n - 1].metadata.get("jupyter", {}).get("source_hidden") is True, f"cell {n} is open"
+    intro = nb.cells[numbers[0] - 2]
+    assert intro.cell_type == "markdown" and "\n" not in intro.source.strip() and len(intro.source) <= 200
+    for source in sources:
+        assert f"`{source}`" in intro.source, f"cell {numbers[0] - 1} does not name {source}"
+    assert "make sync" in intro.source
+    first_code = next(n for n, c in enumerate(nb.cells, start=1) if c.cell_type == "code")
+    assert first_code < numbers[0], "the parameters come before the generated code"
+
+
+def _library_definitions() -> tuple:
+    """Return (name -> module file) for the top-level functions, classes and ALL_CAPS constants of
+    lab_helpers, and (int value -> constant name) for its integer constants of 512 and more."""
+    names, values = {}, {}
+    for path in sorted((ROOT / "lab_helpers").glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.setdefault(node.name, path.name)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and target.id.isupper():
+                        names.setdefault(target.id, path.name)
+                        value = _constant_value(node.value)
+                        if isinstance(value, int) and not isinstance(value, bool) and value >= 512:
+                            values.setdefault(value, target.id)
+    return names, values
+
+
+def _constant_value(node):
+    """The value of a literal or of integer arithmetic on literals (2 * 2**20), else None."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Pow, ast.Add, ast.Sub)):
+        left, right = _constant_value(node.left), _constant_value(node.right)
+        if isinstance(left, int) and isinstance(right, int) and (abs(right) < 256 or not isinstance(node.op, ast.Pow)):
+            return {ast.Mult: left * right, ast.Pow: left ** right, ast.Add: left + right,
+                    ast.Sub: left - right}[type(node.op)]
+    return None
+
+
+def restated_library_names(nb) -> list:
+    """Return 'cell N: ...' for each top-level definition of a non-generated code cell that
+    restates a lab_helpers name, or gives an ALL_CAPS name one of the library's constant values."""
+    names, values = _library_definitions()
+    found = []
+    for number, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type != "code" or _generated_source(cell):
+            continue
+        code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+        for node in ast.parse(code).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+                found.append(f"cell {number}: defines {node.name}, already in lab_helpers/{names[node.name]}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if not (isinstance(target, ast.Name) and target.id.isupper()):
+                        continue
+                    value = _constant_value(node.value) if node.value is not None else None
+                    if target.id in names:
+                        found.append(f"cell {number}: assigns {target.id}, already in "
+                                     f"lab_helpers/{names[target.id]}")
+                    elif isinstance(value, int) and value in values:
+                        found.append(f"cell {number}: {target.id} = {value} restates {values[value]}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_cells_call_the_library_instead_of_restating_it(path):
+    nb = nbformat.read(path, as_version=4)
+    assert restated_library_names(nb) == []
+
+
+def test_the_restatement_check_catches_what_it_should():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("def gpu_day_price(row):\n    return 1"),
+        nbformat.v4.new_code_cell("MIN_BLOCK_BYTES = 512\nOWN_SEGMENT_MIN_BYTES = 10 * 2**20"),
+        nbformat.v4.new_code_cell("%matplotlib inline\nclass AllocatorModel:\n    pass\nKIB = 2**10\nx = 512"),
+        nbformat.v4.new_code_cell("def load_grid(p):\n    pass",
+                                  metadata={"tags": ["generated-from:lab_helpers/grid.py"]}),
+    ])
+    assert restated_library_names(nb) == [
+        "cell 1: defines gpu_day_price, already in lab_helpers/calcul_forfaits.py",
+        "cell 2: assigns MIN_BLOCK_BYTES, already in lab_helpers/mesure_memoire.py",
+        "cell 2: OWN_SEGMENT_MIN_BYTES = 10485760 restates MIN_LARGE_ALLOC_BYTES",
+        "cell 3: defines AllocatorModel, already in lab_helpers/mesure_memoire.py",
+    ]
+
+
+GRID_LINES = [
+    ",".join(("date", "gpu_model", "forfait_days", "forfait_lots", "device", "torch_version",
+              "measurement_file", "task", "acceptance_threshold", "units_produced", "units_accepted",
+              "wall_seconds", "notes")),
+    "2026-10-01,b200,7,2,NVIDIA B200,2.9.0,mesures-b200.json,invoices,all fields exact,1200,1000,5400.5,",
+    "2026-10-02,h100-sxm,7,1,NVIDIA H100 80GB HBM3,2.9.0,,invoices,all fields exact,700,600,7200,",
+    "2026-10-03,h100-sxm,3,1,NVIDIA H100 80GB HBM3,2.9.0,,invoices,all fields exact,10,0,100,stopped",
+]
+
+
+def test_forfaits_notebook_runs_the_library_grid_and_calculator(tmp_path):
+    from lab_helpers import calcul_forfaits, grid
+    code = notebook_sync.notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/grid.py")
+    module_path = tmp_path / "forfaits_cells.py"
+    module_path.write_text(code, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("forfaits_cells", module_path)
+    cells = importlib.util.module_from_spec(spec)
+    sys.modules["forfaits_cells"] = cells
+    try:
+        spec.loader.exec_module(cells)
+    finally:
+        del sys.modules["forfaits_cells"]
+    card_path = ROOT / "data" / "tarifs-forfaits.csv"
+    grid_path = tmp_path / "resultats-bruts.csv"
+    grid_path.write_text("\n".join(GRID_LINES) + "\n", encoding="utf-8")
+    card, nb_card = calcul_forfaits.load_card(card_path), cells.load_card(card_path)  # after grid's cell
+    assert nb_card == card
+    assert [cells.gpu_day_price(row) for row in card] == [calcul_forfaits.gpu_day_price(row) for row in card]
+    rows = grid.load_grid(grid_path, card)
+    assert cells.load_grid(grid_path, card) == rows
+    assert cells.row_costs(rows, card) == grid.row_costs(rows, card)
+    assert cells.model_costs(cells.row_costs(rows, card)) == grid.model_costs(grid.row_costs(rows, card))
+    with pytest.raises(cells.GridError, match="line 2"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text(GRID_LINES[0] + "\n" + GRID_LINES[1].replace(",1000,", ",9999,") + "\n", encoding="utf-8")
+        cells.load_grid(bad, card)
+
+
+@pytest.mark.parametrize("notebook", ["forfaits.ipynb", "pic-vs-reserve.ipynb"])
+def test_notebook_cells_use_the_library_names(notebook):
+    code = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells
+                     if c.cell_type == "code" and not _generated_source(c))
+    wanted = {"forfaits.ipynb": ["gpu_day_price(", "load_grid(", "row_costs(", "model_costs("],
+              "pic-vs-reserve.ipynb": ["MIN_BLOCK_BYTES", "SMALL_REQUEST_MAX_BYTES", "SMALL_SEGMENT_BYTES",
+                                       "LARGE_SEGMENT_BYTES", "AllocatorModel.round_size",
+                                       "AllocatorModel.segment_size"]}[notebook]
+    assert [name for name in wanted if name not in code] == []
+
+
+def test_mesure_memoire_notebook_alone_says_the_sweep_needs_its_script(tmp_path):
+    from nbclient import NotebookClient
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    nb = nbformat.read(ROOT / "notebooks" / "mesure-memoire.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(alone)}}).execute()
+    errors = [n for n, c in enumerate(nb.cells, start=1) for o in c.get("outputs", []) if o.output_type == "error"]
+    assert errors == []
+    sweep = next(c for c in nb.cells if c.cell_type == "code" and "default_measure_script()" in c.source
+                 and not _generated_source(c))
+    text = "".join(o.get("text", "") for o in sweep.outputs)
+    assert text.startswith("No sweep: it runs each point as `python mesure_memoire.py measure`")
+    assert "mesure_memoire.py is in none of ., lab_helpers, ../lab_helpers" in text
+    assert sorted(p.name for p in alone.iterdir()) == []  # nothing written without a GPU

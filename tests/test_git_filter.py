@@ -1,0 +1,252 @@
+"""Notebooks run and saved with outputs leave the repository clean: the strip function, its
+command, and git's clean filter in a scratch repository configured as `make` configures it."""
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from lab_helpers import notebook_strip
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+GIT = shutil.which("git")
+MAKE = shutil.which("make")
+# What the scratch repository needs: the kit's sources, the notebooks and their test.
+REPO_ITEMS = ("Makefile", ".gitattributes", "LICENSE.txt", "pyproject.toml", "lab_helpers", "notebooks",
+              "data", "tests/conftest.py", "tests/test_notebooks.py")
+GIT_ENV = {"GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@example.invalid",
+           "GIT_COMMITTER_NAME": "lab", "GIT_COMMITTER_EMAIL": "lab@example.invalid",
+           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+DIRTY = {
+    "cells": [
+        {"cell_type": "markdown", "id": "m1", "metadata": {"jupyter": {"source_hidden": True}},
+         "source": ["# Titre é\n"]},
+        {"cell_type": "code", "execution_count": 7, "id": "c1",
+         "metadata": {"tags": ["parameters"], "collapsed": True, "scrolled": "auto",
+                      "execution": {"iopub.status.busy": "2026-11-29T22:01:30.005048Z"},
+                      "ExecuteTime": {"end_time": "2026-11-29T22:01:30Z"},
+                      "jupyter": {"outputs_hidden": True}},
+         "outputs": [{"output_type": "stream", "name": "stdout", "text": ["1\n"]}],
+         "source": ["x = 1\n", "print(x)"]},
+        {"cell_type": "code", "execution_count": 8, "id": "c2",
+         "metadata": {"tags": ["generated-from:lab_helpers/grid.py"], "jupyter": {"source_hidden": False}},
+         "outputs": [{"output_type": "error", "ename": "E", "evalue": "", "traceback": []}],
+         "source": "def f():\n    pass"},
+    ],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                 "language_info": {"name": "python", "version": "3.11.7", "pygments_lexer": "ipython3"},
+                 "widgets": {"application/vnd.jupyter.widget-state+json": {"state": {}}}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+DIRTY_STRIPPED = {
+    "cells": [
+        {"cell_type": "markdown", "id": "m1", "metadata": {}, "source": ["# Titre é\n"]},
+        {"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {"tags": ["parameters"]},
+         "outputs": [], "source": ["x = 1\n", "print(x)"]},
+        {"cell_type": "code", "execution_count": None, "id": "c2",
+         "metadata": {"tags": ["generated-from:lab_helpers/grid.py"], "jupyter": {"source_hidden": True}},
+         "outputs": [], "source": "def f():\n    pass"},
+    ],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                 "language_info": {"name": "python"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+
+
+def strip_cli(*args, stdin=b"", python=(sys.executable,)):
+    """Run the strip command from the repository root; return the completed process."""
+    return subprocess.run([*python, "-m", "lab_helpers.notebook_strip", *map(str, args)], cwd=ROOT,
+                          input=stdin, capture_output=True, timeout=60)
+
+
+# --- the strip function and command ----------------------------------------------------
+
+def test_strip_removes_outputs_counts_and_volatile_metadata_exactly():
+    expected = (json.dumps(DIRTY_STRIPPED, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    data = json.dumps(DIRTY).encode()
+    assert notebook_strip.strip_bytes(data) == expected
+    assert notebook_strip.strip_bytes(expected) == expected  # a clean notebook is a fixed point
+    assert "é".encode() in expected and b"\\u00e9" not in expected
+
+
+def test_strip_leaves_its_argument_for_the_caller():
+    original = copy.deepcopy(DIRTY)
+    notebook_strip.strip_bytes(json.dumps(DIRTY).encode())
+    assert DIRTY == original
+
+
+def test_command_reads_stdin_or_a_file_and_never_writes_the_file(tmp_path):
+    data = json.dumps(DIRTY).encode()
+    expected = notebook_strip.strip_bytes(data)
+    proc = strip_cli(stdin=data)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected, b"")
+    path = tmp_path / "run.ipynb"
+    path.write_bytes(data)
+    proc = strip_cli(path)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected, b"")
+    assert path.read_bytes() == data
+
+
+def test_command_needs_only_the_standard_library():
+    # -S: no site-packages at all, as with a bare system python3
+    proc = strip_cli(stdin=json.dumps(DIRTY).encode(), python=(sys.executable, "-S"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == DIRTY_STRIPPED
+
+
+BAD_INPUTS = {
+    "empty": b"",
+    "not-json": b'{"cells": [',
+    "not-utf8": b'{"cells": [], "x": "\xff"}',
+    "a-list": b"[1, 2]",
+    "no-cells": b'{"metadata": {}}',
+    "cells-not-a-list": b'{"cells": {}}',
+    "cell-not-an-object": b'{"cells": [1]}',
+    "cell-metadata-not-an-object": b'{"cells": [{"cell_type": "code", "metadata": []}]}',
+    "deeply-nested": b'{"cells": [], "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+}
+
+
+@pytest.mark.parametrize("data", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_command_refuses_bad_input_with_one_line_and_exit_2(data):
+    proc = strip_cli(stdin=data)
+    assert proc.returncode == 2 and proc.stdout == b""
+    lines = proc.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("notebook_strip: error: standard input: ")
+    assert notebook_strip.committed_form(data) == data  # the kit then reports it itself
+
+
+@pytest.mark.parametrize("path", ["missing.ipynb", "."], ids=["missing", "a-folder"])
+def test_command_refuses_an_unreadable_path(path):
+    proc = strip_cli(path)
+    assert proc.returncode == 2 and proc.stdout == b""
+    lines = proc.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"notebook_strip: error: cannot read {path}: ")
+
+
+# --- git's clean filter in a scratch repository -------------------------------------------
+
+def git(repo: Path, *args, check=True) -> str:
+    proc = subprocess.run([GIT, *args], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **GIT_ENV}, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+    return proc.stdout
+
+
+def build_kit(repo: Path, output: Path) -> bytes:
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.kit", "build", "--output", str(output)],
+                          cwd=repo, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return output.read_bytes()
+
+
+def run_in_place(path: Path) -> None:
+    """Run every cell of the notebook at `path` on a kernel and save it with its outputs."""
+    from nbclient import NotebookClient
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(nb, path)
+
+
+@pytest.fixture(scope="module")
+def scratch_repo(tmp_path_factory):
+    """A git repository holding this tree's notebooks and library, committed, filter configured."""
+    if not (GIT and MAKE):
+        pytest.fail("git and make are needed to test the notebook filter")
+    repo = tmp_path_factory.mktemp("repo")
+    ignore = shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints", "*.pyc")
+    for item in REPO_ITEMS:
+        source, target = ROOT / item, repo / item
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=ignore)
+        else:
+            shutil.copy2(source, target)
+    for path in (repo / "notebooks").glob("*.ipynb"):  # as stored, whatever this working copy holds
+        path.write_bytes(notebook_strip.strip_bytes(path.read_bytes()))
+    git(repo, "init", "-q")
+    proc = subprocess.run([MAKE, "-s", "git-filter"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert git(repo, "config", "filter.notebook-strip.clean").strip() == notebook_strip.FILTER_COMMAND
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "scratch")
+    assert git(repo, "status", "--porcelain") == ""
+    return repo
+
+
+def test_make_configures_nothing_outside_a_checkout_of_its_own(tmp_path):
+    outer = tmp_path / "outer"
+    inner = outer / "unpacked"
+    inner.mkdir(parents=True)
+    shutil.copy2(ROOT / "Makefile", inner / "Makefile")
+    git(outer, "init", "-q")
+    proc = subprocess.run([MAKE, "-s", "git-filter"], cwd=inner, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+    assert git(outer, "config", "--get", "filter.notebook-strip.clean", check=False) == ""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy2(ROOT / "Makefile", plain / "Makefile")
+    proc = subprocess.run([MAKE, "-s", "git-filter"], cwd=plain, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+
+
+def test_notebooks_run_and_saved_with_outputs_leave_the_repository_clean(scratch_repo, tmp_path):
+    repo = scratch_repo
+    kit_before = build_kit(repo, tmp_path / "before.zip")
+    committed = {name: (repo / "notebooks" / name).read_bytes()
+                 for name in ("forfaits.ipynb", "mesure-memoire.ipynb")}
+    for name in committed:
+        run_in_place(repo / "notebooks" / name)
+        saved = json.loads((repo / "notebooks" / name).read_text(encoding="utf-8"))
+        assert any(cell.get("outputs") for cell in saved["cells"]), f"{name} ran without outputs"
+        assert (repo / "notebooks" / name).read_bytes() != committed[name]
+
+    assert git(repo, "diff") == ""
+    assert git(repo, "-C", "notebooks", "diff") == ""  # git runs filters from the top
+    # git lists a file whose size changed as modified without reading it, until its index entry
+    # is refreshed; `git add` does that and stages nothing
+    assert set(git(repo, "status", "--porcelain").splitlines()) <= {
+        " M notebooks/forfaits.ipynb", " M notebooks/mesure-memoire.ipynb"}
+    git(repo, "add", "notebooks")
+    assert git(repo, "status", "--porcelain") == ""
+    assert git(repo, "diff", "--cached") == ""
+    assert build_kit(repo, tmp_path / "after.zip") == kit_before
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                           "tests/test_notebooks.py", "-k", "committed_without_outputs"],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "3 passed" in proc.stdout
+
+    # the outputs are still in the working copy; without the filter git would see them
+    assert '"outputs": [\n' in (repo / "notebooks" / "forfaits.ipynb").read_text(encoding="utf-8")
+    paths = [f"notebooks/{name}" for name in committed]
+    committed_ids = git(repo, "rev-parse", *[f"HEAD:{path}" for path in paths]).split()
+    assert git(repo, "hash-object", *paths).split() == committed_ids  # what git stores, filtered
+    git(repo, "config", "--unset", "filter.notebook-strip.clean")
+    try:
+        unfiltered = git(repo, "hash-object", *paths).split()
+        assert all(a != b for a, b in zip(unfiltered, committed_ids))
+    finally:
+        git(repo, "config", "filter.notebook-strip.clean", notebook_strip.FILTER_COMMAND)
+
+
+def test_a_notebook_that_is_not_json_is_stored_as_it_is(scratch_repo):
+    repo = scratch_repo
+    path = repo / "notebooks" / "broken.ipynb"
+    path.write_bytes(b'{"cells": [')
+    try:
+        git(repo, "add", "notebooks/broken.ipynb")  # the filter fails, git keeps the bytes
+        assert git(repo, "show", ":notebooks/broken.ipynb") == '{"cells": ['
+    finally:
+        git(repo, "rm", "-q", "--cached", "notebooks/broken.ipynb")
+        path.unlink()
