@@ -24,7 +24,8 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/plots.py",
         "lab_helpers/sweep.py",
     ),
-    "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/grid.py"),
+    "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/mesure_memoire.py",
+                                 "lab_helpers/grid.py"),
     "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py"),
 }
 TAG_PREFIX = GENERATED_TAG_PREFIX

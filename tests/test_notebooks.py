@@ -142,7 +142,8 @@ def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
 
 def _library_definitions() -> tuple:
     """Return (name -> module file) for the top-level functions, classes and ALL_CAPS constants of
-    lab_helpers, and (int value -> constant name) for its integer constants of 512 and more."""
+    lab_helpers, and (int value -> constant name) for its byte-size constants (`*_BYTES`, 512 and more):
+    a count limit that happens to equal 1024 is not a restated allocator size."""
     names, values = {}, {}
     for path in sorted((ROOT / "lab_helpers").glob("*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
@@ -153,7 +154,8 @@ def _library_definitions() -> tuple:
                     if isinstance(target, ast.Name) and target.id.isupper():
                         names.setdefault(target.id, path.name)
                         value = _constant_value(node.value)
-                        if isinstance(value, int) and not isinstance(value, bool) and value >= 512:
+                        if (target.id.endswith("_BYTES") and isinstance(value, int)
+                                and not isinstance(value, bool) and value >= 512):
                             values.setdefault(value, target.id)
     return names, values
 
@@ -267,7 +269,7 @@ def test_notebook_cells_use_the_library_names(notebook):
     assert [name for name in wanted if name not in code] == []
 
 
-def test_mesure_memoire_notebook_alone_says_the_sweep_needs_its_script(tmp_path):
+def test_mesure_memoire_notebook_alone_runs_and_measures_nothing_without_a_gpu(tmp_path):
     from nbclient import NotebookClient
     alone = tmp_path / "alone"
     alone.mkdir()
@@ -275,9 +277,8 @@ def test_mesure_memoire_notebook_alone_says_the_sweep_needs_its_script(tmp_path)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(alone)}}).execute()
     errors = [n for n, c in enumerate(nb.cells, start=1) for o in c.get("outputs", []) if o.output_type == "error"]
     assert errors == []
-    sweep = next(c for c in nb.cells if c.cell_type == "code" and "default_measure_script()" in c.source
+    sweep = next(c for c in nb.cells if c.cell_type == "code" and "run_sweep(" in c.source
                  and not _generated_source(c))
     text = "".join(o.get("text", "") for o in sweep.outputs)
-    assert text.startswith("No sweep: it runs each point as `python mesure_memoire.py measure`")
-    assert "mesure_memoire.py is in none of ., lab_helpers, ../lab_helpers" in text
+    assert text == "No GPU: no sweep (every point is measured on the GPU, in a fresh process).\n"
     assert sorted(p.name for p in alone.iterdir()) == []  # nothing written without a GPU
