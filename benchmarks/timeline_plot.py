@@ -97,13 +97,13 @@ def load_and_plot(path, began: float) -> dict:
     import matplotlib.figure  # noqa: F401  (imports are not the trace's cost; timed apart)
     import matplotlib.backends.backend_agg  # noqa: F401
     imports = time.perf_counter() - began
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     timeline = tl.load_timeline(path, max_bytes=2**31, check=False)  # plot_timeline validates it
     loaded = time.perf_counter()
     png = tl.render_png(timeline)
-    done = time.perf_counter()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"cpu_seconds_total_process": usage.ru_utime + usage.ru_stime, "import_seconds": imports, "load_seconds": loaded - start, "plot_seconds": done - loaded, "total_seconds": done - start,
+    done, cpu_done = time.perf_counter(), time.process_time()
+    return {"import_seconds": imports, "load_seconds": loaded - start, "plot_seconds": done - loaded, "total_seconds": done - start,
+            "cpu_seconds": cpu_done - cpu_start,
             "png": png, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -139,11 +139,12 @@ def main(argv=None) -> int:
         result = measure(path)
         if args.png:
             tl.write_new_bytes(args.png, tl.render_png(tl.load_timeline(path, max_bytes=2**31)))
+    # wall-clock is the target; CPU seconds show what contention from other processes added
     rows = [("load + plot seconds", result["total_seconds"], MAX_SECONDS),
+            ("  of which CPU seconds", result["cpu_seconds"], MAX_SECONDS),
             ("peak RSS GiB", result["peak_rss_bytes"] / 2**30, MAX_RSS_BYTES / 2**30)]
     print(f"{args.events} events, timeline file {file_bytes} bytes, CPU cores {os.cpu_count()}; "
           f"imports {result['import_seconds']:.2f} s (not counted), load {result['load_seconds']:.2f} s, plot {result['plot_seconds']:.2f} s, PNG {result['png_bytes']} bytes; "
-          f"this process's CPU seconds (imports included) {result['cpu_seconds_total_process']:.2f}; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'measure':<22} {'value':>8} {'target':>8}  result")
     failed = False

@@ -239,20 +239,33 @@ def record_history(torch, device, max_entries: int = DEFAULT_MAX_ENTRIES, stacks
     tracebacks (cheapest); "python" or "all" records them at each allocation.
     """
     _require_cuda(torch, "memory history")
-    torch.device(device)  # a bad device name fails here, before recording starts
+    _cuda_device(torch, device)
     if type(max_entries) is not int or max_entries < 1:
         raise TimelineError(f"max_entries must be a positive whole number, got {max_entries!r}")
     if stacks not in (None, "python", "all"):
         raise TimelineError(f"stacks must be None, 'python' or 'all', got {stacks!r}")
-    torch.cuda.memory._record_memory_history(
-        enabled="all", context=None if stacks is None else "alloc", stacks=stacks or "python",
-        max_entries=max_entries)
+    options = {"enabled": "all", "context": None if stacks is None else "alloc", "stacks": stacks or "python",
+               "max_entries": max_entries}
+    try:  # entries left from an earlier recording would precede this run's phases
+        torch.cuda.memory._record_memory_history(**options, clear_history=True)
+    except TypeError:  # torch before clear_history existed
+        torch.cuda.memory._record_memory_history(**options)
+
+
+def _cuda_device(torch, device):
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise TimelineError(f"not a device: {device!r}") from None
+    if device.type != "cuda" or device.index is None or device.index >= torch.cuda.device_count():
+        raise TimelineError(f"device must be an explicit cuda:N of a visible GPU, got {str(device)!r}")
+    return device
 
 
 def stop_history(torch, device) -> dict:
     """Take the snapshot of `device` (segments and trace), then stop recording; return the snapshot."""
     _require_cuda(torch, "memory history")
-    snapshot = torch.cuda.memory._snapshot(device)
+    snapshot = torch.cuda.memory._snapshot(_cuda_device(torch, device))
     torch.cuda.memory._record_memory_history(enabled=None)
     return snapshot
 
@@ -277,7 +290,7 @@ def save_oom_snapshot(torch, path, failed_request_bytes, device=None) -> dict:
     _require_cuda(torch, "out-of-memory snapshot")
     if failed_request_bytes is not None and not _is_count(failed_request_bytes):
         raise TimelineError(f"failed_request_bytes must be a whole number >= 0, got {failed_request_bytes!r}")
-    device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+    device = _cuda_device(torch, device if device is not None else f"cuda:{torch.cuda.current_device()}")
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     document = {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": str(device),
                 "failed_request_bytes": failed_request_bytes, "device_free_bytes": int(free_bytes),
@@ -323,7 +336,9 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
     """Turn ``torch.cuda.memory._snapshot()`` into the lab's columnar timeline.
 
     `phase_marks`: (name, index, start_us, end_us) on the trace's clock (``now_us``); each event
-    falls in the phase whose [start, end] holds its time, else -1. A tensor's release is its
+    falls in the phase whose [start, end] holds its time, else -1. Tensor sizes are the trace's
+    requested bytes rounded up to 512, the allocator's block size (a large block that kept an
+    unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
     ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
     recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
     the snapshot ends with. `labels`: {address: label} stored on the matching alloc events.
@@ -365,7 +380,8 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
         times.append(when)
         actions.append(code)
         addresses.append(address)
-        sizes.append(size)
+        # the trace records a tensor's requested bytes; its block (what `allocated` counts) is rounded
+        sizes.append(round_request(size) if code in (ALLOC, FREE) else size)
     starts = [p[2] for p in phases]
     origin = min(times[:1] + starts[:1] + [o["time_us"] for o in ooms[:1]] or [0])
     if any(b < a for a, b in zip(times, times[1:])):

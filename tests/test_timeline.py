@@ -106,7 +106,7 @@ def traced_snapshot():
     trace = [e("segment_alloc", BASE, 20 * MiB, 0), e("alloc", a, 4 * MiB, 10), e("alloc", b, 8 * MiB, 20),
              e("free_requested", a, 4 * MiB, 30), e("free_completed", a, 4 * MiB, 31),
              e("alloc", a, 2 * MiB, 40), e("alloc", c, 6 * MiB, 45), e("free_completed", c, 6 * MiB, 50),
-             e("snapshot", 0, 0, 55), e("alloc", d, MiB, 70)]
+             e("snapshot", 0, 0, 55), e("alloc", d, MiB - 500, 70)]  # rounds up to 1 MiB
     # at the end: a 2 MiB, b 8 MiB, d 1 MiB and a 3 MiB tensor made before the trace began
     seg = segment(BASE, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive"), (8 * MiB, "active_allocated"),
                          (MiB, "active_allocated"), (3 * MiB, "active_allocated"), (4 * MiB, "inactive")])
@@ -122,6 +122,7 @@ def test_conversion_columns_and_exact_phase_peaks():
     assert ev["action"] == [tl.SEGMENT_ALLOC, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC]
     assert ev["phase"] == [0, 0, 0, 1, 1, 1, 1, -1]
     assert ev["label"] == [None, None, "weights", None, None, None, None, None]
+    assert ev["size_bytes"][-1] == MiB
     assert t["initial_allocated_bytes"] == 3 * MiB and t["initial_reserved_bytes"] == 0
     peaks = tl.phase_peaks(t)
     assert [(p["start_allocated_bytes"], p["peak_allocated_bytes"], p["peak_time_us"], p["end_allocated_bytes"])
@@ -382,16 +383,17 @@ def _benchmark_module():
     return module
 
 
-def test_100k_events_load_and_plot_under_2_seconds(tmp_path):
+def test_100k_events_load_and_plot_under_2_cpu_seconds(tmp_path):
     bench = _benchmark_module()
     path = tmp_path / "t.json"
     path.write_text(json.dumps(bench.synthetic_timeline(100_000, seed=1), separators=(",", ":")))
     tl.render_png(tl.load_timeline(path, check=False), bins=50)  # imports and font cache, not timed
-    started = time.perf_counter()
+    # CPU seconds of this process: the bound holds on a busy shared machine too
+    started = time.process_time()
     png = tl.render_png(tl.load_timeline(path, check=False))
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 2.0, f"100k events took {elapsed:.2f} s"
+    assert elapsed < 2.0, f"100k events took {elapsed:.2f} CPU seconds"
 
 
 def test_binned_plot_keeps_the_exact_peak():
@@ -405,3 +407,27 @@ def test_binned_plot_keeps_the_exact_peak():
     top = max(collection.get_paths()[0].vertices[:, 1].max() for collection in ax.collections)
     assert top == pytest.approx(peak / MiB)
     assert max(p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)) == peak
+
+
+@pytest.mark.gpu
+def test_gpu_phase_peaks_equal_torch_counters():
+    torch = pytest.importorskip("torch")
+    device = "cuda:0"
+    keep, marks, measured = [], [], []
+    tl.record_history(torch, device, max_entries=100_000)
+    try:
+        for name, sizes in (("first", [3 * MiB, 5 * MiB + 100]), ("second", [20 * MiB, 700_000, 1000])):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = tl.now_us()
+            made = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+            keep.append(made[0])
+            del made
+            torch.cuda.synchronize(device)
+            measured.append(torch.cuda.max_memory_allocated(device))
+            marks.append((name, None, start, tl.now_us()))
+    finally:
+        snapshot = tl.stop_history(torch, device)
+    timeline = tl.timeline_from_snapshot(snapshot, marks, device=torch.device(device).index)
+    assert [p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)] == measured
+    assert tl.render_png(timeline)[:8] == b"\x89PNG\r\n\x1a\n"
