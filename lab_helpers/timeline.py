@@ -15,6 +15,7 @@ Run as ``python -m lab_helpers.timeline plot|explain|convert|summary ...``. nump
 imported only where a timeline is turned into arrays or drawn; torch only inside the GPU helpers.
 """
 import argparse
+import bisect
 import io
 import json
 import os
@@ -356,6 +357,8 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
         if type(when) is not int:
             raise TimelineError(f"trace entry {k} has no whole 'time_us' (torch 2.1 or newer records it)")
         if action == "oom":
+            if entry.get("device_free") is not None and not _is_count(entry.get("device_free")):
+                raise TimelineError(f"trace entry {k} (oom) has a 'device_free' that is not a whole number")
             ooms.append({"time_us": when, "size_bytes": size, "device_free_bytes": entry.get("device_free")})
             continue
         if action == "snapshot":
@@ -411,7 +414,6 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
 
 
 def _assign_phases(times: list, phases: list) -> list:
-    import bisect
     starts = [p[2] for p in phases]
     column = []
     for t in times:
