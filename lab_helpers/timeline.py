@@ -775,6 +775,8 @@ def _verdict(r: dict) -> str:
         return "fits_now"  # this state would serve the request: the snapshot is not the failing moment
     if free is None:
         return "fragmentation" if r["usable_free_bytes"] >= rounded else "undetermined"
+    if free >= rounded:
+        return "segment_size"  # the device has the request's bytes, not the whole segment asked for
     if r["usable_free_bytes"] + free >= rounded:
         return "fragmentation"
     return "exhaustion"
@@ -828,6 +830,8 @@ def _summary(r: dict) -> list:
     verdicts = {
         "fragmentation": "Verdict: FRAGMENTATION. Enough bytes are free in total, but no single free block "
                          "holds the request and the device cannot give a new segment.",
+        "segment_size": "Verdict: SEGMENT SIZE. The device has the request's bytes free, but the allocator asks "
+                        "the device for a whole segment, which is larger than what is free.",
         "exhaustion": "Verdict: EXHAUSTION. Free blocks plus the device's free memory are less than the "
                       "request: the memory is really used; make the work smaller.",
         "fits_now": "Verdict: this state would serve the request (a free block or the device has room): "

@@ -91,6 +91,10 @@ def test_explain_request_rounding_pool_and_fit():
     assert r["rounded_request_bytes"] == 600_064 and r["pool"] == "small"
     assert r["usable_free_bytes"] == 2 * MiB and r["verdict"] == "fits_now"
     assert tl.explain_snapshot(oom_snapshot(), 7 * MiB, 0)["verdict"] == "fits_now"
+    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=10 * MiB)
+    assert r["segment_bytes_needed"] == 20 * MiB and r["verdict"] == "segment_size"
+    assert r["expandable_segments"]["device_bytes_to_map"] == 2 * MiB  # 8 MiB tail + one page
+    assert r["expandable_segments"]["would_fit"] is True
     r = tl.explain_snapshot({"segments": three_segments()}, failed_request_bytes=30 * MiB)
     assert r["device_free_bytes"] is None and r["verdict"] == "undetermined"
     with pytest.raises(tl.TimelineError, match="no failed request"):
