@@ -1,0 +1,437 @@
+"""Timeline conversion, plot and out-of-memory explainer, on snapshots built by hand in torch's format."""
+import importlib.util
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from lab_helpers import timeline as tl
+
+MiB = 2**20
+BASE = 0x7F0000000000
+
+
+def block(address, size, state):
+    return {"address": address, "size": size, "requested_size": size if state != "inactive" else 0,
+            "state": state, "frames": []}
+
+
+def segment(address, blocks, segment_type="large", stream=0):
+    out, at = [], address
+    for size, state in blocks:
+        out.append(block(at, size, state))
+        at += size
+    total = sum(size for size, _ in blocks)
+    return {"device": 0, "address": address, "total_size": total, "stream": stream,
+            "segment_type": segment_type, "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+            "allocated_size": sum(s for s, st in blocks if st == "active_allocated"),
+            "active_size": sum(s for s, st in blocks if st != "inactive"), "blocks": out}
+
+
+def three_segments():
+    """Large S1 (free 12 MiB, largest 8 MiB at its end), large S2 (free 10, largest 5), small S3 wholly free."""
+    return [
+        segment(BASE, [(6 * MiB, "active_allocated"), (4 * MiB, "inactive"), (2 * MiB, "active_allocated"),
+                       (8 * MiB, "inactive")]),
+        segment(BASE + 0x2000000, [(5 * MiB, "inactive"), (30 * MiB, "active_allocated"), (5 * MiB, "inactive")]),
+        segment(BASE + 0x10000000, [(2 * MiB, "inactive")], segment_type="small"),
+    ]
+
+
+def oom_snapshot(request=12 * MiB, device_free=6 * MiB):
+    trace = [{"action": "oom", "device_free": device_free, "size": request, "stream": 0,
+              "time_us": 1_700_000_000_000_000, "frames": []}]
+    return {"segments": three_segments(), "device_traces": [trace], "allocator_settings": {},
+            "external_annotations": []}
+
+
+# ------------------------------------------------------------------ explainer numbers
+def test_explain_exact_numbers_and_fragmentation():
+    r = tl.explain_snapshot(oom_snapshot())
+    assert r["request_bytes"] == r["rounded_request_bytes"] == 12 * MiB
+    assert r["pool"] == "large" and r["segment_bytes_needed"] == 12 * MiB
+    assert r["device_free_bytes"] == 6 * MiB  # from the oom entry
+    assert r["reserved_bytes"] == 62 * MiB
+    assert r["allocated_bytes"] == 38 * MiB
+    assert r["reserved_free_bytes"] == 24 * MiB
+    assert r["largest_free_block_bytes"] == 8 * MiB
+    assert r["usable_free_bytes"] == 22 * MiB  # the small segment cannot serve a large request
+    assert r["usable_largest_free_block_bytes"] == 8 * MiB
+    assert [(s["free_bytes"], s["largest_free_block_bytes"], s["total_size_bytes"]) for s in r["segments"]] == [
+        (12 * MiB, 8 * MiB, 20 * MiB), (10 * MiB, 5 * MiB, 40 * MiB), (2 * MiB, 2 * MiB, 2 * MiB)]
+    assert r["verdict"] == "fragmentation"
+    # expandable: 8 MiB tail + 4 MiB of new pages <= 6 MiB free
+    assert r["expandable_segments"]["largest_tail_free_bytes"] == 8 * MiB
+    assert r["expandable_segments"]["device_bytes_to_map"] == 4 * MiB
+    assert r["expandable_segments"]["would_fit"] is True
+    # empty_cache: only the wholly free 2 MiB segment goes back; 8 MiB free < the 12 MiB segment
+    assert r["empty_cache"]["released_bytes"] == 2 * MiB
+    assert r["empty_cache"]["device_free_after_bytes"] == 8 * MiB
+    assert r["empty_cache"]["free_bytes_left_in_partly_used_segments"] == 22 * MiB
+    assert r["empty_cache"]["would_fit"] is False
+    assert any("FRAGMENTATION" in line for line in r["summary"])
+
+
+def test_explain_exhaustion():
+    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=40 * MiB, device_free_bytes=6 * MiB)
+    assert r["verdict"] == "exhaustion"  # 22 MiB usable + 6 MiB device < 40 MiB
+    assert r["segment_bytes_needed"] == 40 * MiB
+    assert r["expandable_segments"]["device_bytes_to_map"] == 32 * MiB
+    assert r["expandable_segments"]["would_fit"] is False
+
+
+def test_explain_request_rounding_pool_and_fit():
+    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=600_001, device_free_bytes=0)
+    assert r["rounded_request_bytes"] == 600_064 and r["pool"] == "small"
+    assert r["usable_free_bytes"] == 2 * MiB and r["verdict"] == "fits_now"
+    assert tl.explain_snapshot(oom_snapshot(), 7 * MiB, 0)["verdict"] == "fits_now"
+    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=10 * MiB)
+    assert r["segment_bytes_needed"] == 20 * MiB and r["verdict"] == "segment_size"
+    assert r["expandable_segments"]["device_bytes_to_map"] == 2 * MiB  # 8 MiB tail + one page
+    assert r["expandable_segments"]["would_fit"] is True
+    r = tl.explain_snapshot({"segments": three_segments()}, failed_request_bytes=30 * MiB)
+    assert r["device_free_bytes"] is None and r["verdict"] == "undetermined"
+    with pytest.raises(tl.TimelineError, match="no failed request"):
+        tl.explain_snapshot({"segments": three_segments()})
+
+
+# ------------------------------------------------------------------ conversion
+def traced_snapshot():
+    t0 = 1_700_000_000_000_000
+    e = lambda action, addr, size, dt: {"action": action, "addr": addr, "size": size, "stream": 0,  # noqa: E731
+                                        "time_us": t0 + dt, "frames": []}
+    a, b, c, d = BASE, BASE + 4 * MiB, BASE + 12 * MiB, BASE + 13 * MiB
+    trace = [e("segment_alloc", BASE, 20 * MiB, 0), e("alloc", a, 4 * MiB, 10), e("alloc", b, 8 * MiB, 20),
+             e("free_requested", a, 4 * MiB, 30), e("free_completed", a, 4 * MiB, 31),
+             e("alloc", a, 2 * MiB, 40), e("alloc", c, 6 * MiB, 45), e("free_completed", c, 6 * MiB, 50),
+             e("snapshot", 0, 0, 55), e("alloc", d, MiB - 500, 70)]  # rounds up to 1 MiB
+    # at the end: a 2 MiB, b 8 MiB, d 1 MiB and a 3 MiB tensor made before the trace began
+    seg = segment(BASE, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive"), (8 * MiB, "active_allocated"),
+                         (MiB, "active_allocated"), (3 * MiB, "active_allocated"), (4 * MiB, "inactive")])
+    marks = [("model_load", None, t0, t0 + 25), ("warm_forward", 0, t0 + 26, t0 + 60)]
+    return {"segments": [seg], "device_traces": [trace]}, marks
+
+
+def test_conversion_columns_and_exact_phase_peaks():
+    snapshot, marks = traced_snapshot()
+    t = tl.timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
+    ev = t["events"]
+    assert ev["time_us"] == [0, 10, 20, 30, 40, 45, 50, 70]
+    assert ev["action"] == [tl.SEGMENT_ALLOC, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC]
+    assert ev["phase"] == [0, 0, 0, 1, 1, 1, 1, -1]
+    assert ev["label"] == [None, None, "weights", None, None, None, None, None]
+    assert ev["size_bytes"][-1] == MiB
+    assert t["initial_allocated_bytes"] == 3 * MiB and t["initial_reserved_bytes"] == 0
+    peaks = tl.phase_peaks(t)
+    assert [(p["start_allocated_bytes"], p["peak_allocated_bytes"], p["peak_time_us"], p["end_allocated_bytes"])
+            for p in peaks] == [(3 * MiB, 15 * MiB, 20, 15 * MiB), (15 * MiB, 19 * MiB, 45, 13 * MiB)]
+    assert [p["peak_reserved_bytes"] for p in peaks] == [20 * MiB, 20 * MiB]
+    assert t["phases"][1] == {"name": "warm_forward", "index": 0, "start_us": 26, "end_us": 60}
+
+
+def test_conversion_refuses_bad_marks_and_traces():
+    snapshot, marks = traced_snapshot()
+    with pytest.raises(tl.TimelineError, match="starts before"):
+        tl.timeline_from_snapshot(snapshot, [marks[1], marks[0]])
+    with pytest.raises(tl.TimelineError, match="not \\(name"):
+        tl.timeline_from_snapshot(snapshot, [("x", 0, 1)])
+    del snapshot["device_traces"][0][2]["time_us"]
+    with pytest.raises(tl.TimelineError, match="time_us"):
+        tl.timeline_from_snapshot(snapshot, marks)
+
+
+def test_recorder_says_unavailable_without_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the unavailable path does not apply")
+    for call in (lambda: tl.record_history(torch, "cuda:0", 1000), lambda: tl.stop_history(torch, "cuda:0"),
+                 lambda: tl.save_oom_snapshot(torch, "never.json", 1024)):
+        with pytest.raises(tl.TimelineError, match="unavailable"):
+            call()
+    assert not os.path.exists("never.json")
+
+
+# ------------------------------------------------------------------ command line
+def run_cli(capsys, *argv):
+    code = tl.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err):
+    assert code == 2, err
+    assert err.startswith("timeline: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_plot_writes_png_exclusively(tmp_path, capsys):
+    snapshot, marks = traced_snapshot()
+    source = tmp_path / "t.json"
+    source.write_text(json.dumps(tl.timeline_from_snapshot(snapshot, marks)))
+    png = tmp_path / "t.png"
+    code, out, err = run_cli(capsys, "plot", source, "--output", png)
+    assert code == 0, err
+    data = png.read_bytes()
+    assert len(data) > 0 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out)["png_bytes"] == len(data)
+    code, out, err = run_cli(capsys, "plot", source, "--output", png)
+    one_line_error(code, err)
+    assert "already exists" in err and png.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.png"]  # no temporary left
+
+
+def test_summary_and_convert_roundtrip(tmp_path, capsys):
+    snapshot, marks = traced_snapshot()
+    (tmp_path / "s.pickle").write_bytes(pickle.dumps(snapshot, protocol=4))
+    (tmp_path / "marks.json").write_text(json.dumps([list(m) for m in marks]))
+    code, out, err = run_cli(capsys, "convert", tmp_path / "s.pickle", "--phases", tmp_path / "marks.json",
+                             "--output", tmp_path / "t.json")
+    assert code == 0, err
+    assert json.loads(out)["events"] == 8
+    code, out, err = run_cli(capsys, "summary", tmp_path / "t.json")
+    assert code == 0, err
+    assert [p["peak_allocated_bytes"] for p in json.loads(out)] == [15 * MiB, 19 * MiB]
+
+
+def lab_oom_file(path, **changes):
+    document = {"kind": tl.OOM_SNAPSHOT_KIND, "schema_version": 1, "device": "cuda:0",
+                "failed_request_bytes": 12 * MiB, "device_free_bytes": 6 * MiB,
+                "snapshot": {"segments": three_segments(), "device_traces": []}}
+    document.update(changes)
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_explain_cli_lab_file_and_plain_pickle(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "explain", lab_oom_file(tmp_path / "oom.json"), "--format", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["verdict"] == "fragmentation" and result["largest_free_block_bytes"] == 8 * MiB
+    for protocol in (2, 4, 5):
+        path = tmp_path / f"snap{protocol}.pickle"
+        path.write_bytes(pickle.dumps(oom_snapshot(), protocol=protocol))
+        code, out, err = run_cli(capsys, "explain", path)
+        assert code == 0, err
+        assert "FRAGMENTATION" in out and "0x7f0000000000" in out
+
+
+class _RunsCommand:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_malicious_pickle_does_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps({"segments": [], "x": _RunsCommand(f"touch {marker}")}, protocol=4))
+    done = subprocess.run([sys.executable, "-m", "lab_helpers.timeline", "explain", str(evil)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("timeline: error: ") and done.stderr.count("\n") == 1
+    assert "refusing" in done.stderr and "system" in done.stderr
+    assert not marker.exists()
+
+
+def _deep_json(depth):
+    return "[" * depth + "]" * depth
+
+
+def _hostile_explain_inputs(tmp_path):
+    good = pickle.dumps(oom_snapshot(), protocol=4)
+    bad_state = oom_snapshot()
+    bad_state["segments"][0]["blocks"][0]["state"] = "borrowed"
+    bad_sum = oom_snapshot()
+    bad_sum["segments"][0]["total_size"] += 512
+    huge = oom_snapshot()
+    huge["segments"][0]["total_size"] = 10**30
+    string_size = oom_snapshot()
+    string_size["segments"][1]["blocks"][0]["size"] = "5242880"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sparse = tmp_path / "sparse.pickle"
+    with open(sparse, "wb") as handle:
+        handle.truncate(tl.MAX_FILE_BYTES + 1)
+    rows = {
+        "empty": b"",
+        "truncated pickle": good[: len(good) // 2],
+        "truncated lab JSON": lab_oom_file(tmp_path / "x.json").read_bytes()[:100],
+        "not ours (JSON)": json.dumps({"kind": "something else", "schema_version": 1}).encode(),
+        "JSON list": b"[1, 2, 3]",
+        "pickle of a list": pickle.dumps([1, 2, 3], protocol=4),
+        "pickle of a string": pickle.dumps("segments", protocol=4),
+        "segments not a list": pickle.dumps({"segments": {"a": 1}}, protocol=4),
+        "unknown block state": pickle.dumps(bad_state, protocol=4),
+        "blocks do not add up": pickle.dumps(bad_sum, protocol=4),
+        "huge declared total_size": pickle.dumps(huge, protocol=4),
+        "size as a string": pickle.dumps(string_size, protocol=4),
+        "pickle declaring 2**62 bytes": b"\x80\x04\x8e" + struct.pack("<Q", 2**62) + b"abc",
+        "deep JSON nesting": _deep_json(200_000).encode(),
+        "deep pickle nesting": b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".",
+        "a class instance (OrderedDict)": pickle.dumps(__import__("collections").OrderedDict(a=1), protocol=4),
+        "binary garbage": os.urandom(4096).replace(b"\x80", b"\x00"),
+        "UTF-16 JSON": json.dumps({"kind": tl.OOM_SNAPSHOT_KIND}).encode("utf-16"),
+        "wrong schema version": json.dumps({"kind": tl.OOM_SNAPSHOT_KIND, "schema_version": 99}).encode(),
+        "negative failed request": None,
+        "oom file without request or oom entry": None,
+    }
+    paths = {}
+    for name, data in rows.items():
+        path = tmp_path / (name.replace(" ", "_").replace("*", "").replace("(", "").replace(")", "") + ".in")
+        if data is not None:
+            path.write_bytes(data)
+        paths[name] = path
+    lab_oom_file(paths["negative failed request"], failed_request_bytes=-5)
+    lab_oom_file(paths["oom file without request or oom entry"], failed_request_bytes=None)
+    paths.update({"a directory": tmp_path, "a FIFO": fifo, "too large (sparse)": sparse,
+                  "missing file": tmp_path / "absent.pickle"})
+    return paths
+
+
+def test_hostile_explain_inputs_one_line_exit_2(tmp_path, capsys):
+    paths = _hostile_explain_inputs(tmp_path)
+    assert len(paths) >= 20
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for name, path in paths.items():
+        started = time.monotonic()
+        code, out, err = run_cli(capsys, "explain", path, "--format", "json")
+        assert time.monotonic() - started < 10, name
+        assert out == "", name
+        one_line_error(code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_too_large_refused_before_reading(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "big.json"
+    lab_oom_file(path)
+    monkeypatch.setattr(tl, "_parse_json", lambda *a: pytest.fail("parsed a file over the limit"))
+    code, out, err = run_cli(capsys, "explain", path, "--max-file-bytes", "100")
+    one_line_error(code, err)
+    assert "limit" in err
+
+
+def _timeline_variants():
+    snapshot, marks = traced_snapshot()
+    good = tl.timeline_from_snapshot(snapshot, marks)
+
+    def variant(change):
+        doc = json.loads(json.dumps(good))
+        change(doc)
+        return doc
+
+    return {
+        "not ours": variant(lambda d: d.update(kind="iteragpu-lab measurement")),
+        "columns of unequal length": variant(lambda d: d["events"]["size_bytes"].pop()),
+        "float size": variant(lambda d: d["events"]["size_bytes"].__setitem__(1, 4.5)),
+        "string time": variant(lambda d: d["events"]["time_us"].__setitem__(1, "10")),
+        "negative size": variant(lambda d: d["events"]["size_bytes"].__setitem__(1, -1)),
+        "time goes backwards": variant(lambda d: d["events"]["time_us"].__setitem__(2, 1)),
+        "free of more than allocated": variant(lambda d: d["events"]["size_bytes"].__setitem__(3, 40 * MiB)),
+        "unknown action code": variant(lambda d: d["events"]["action"].__setitem__(1, 17)),
+        "phase out of range": variant(lambda d: d["events"]["phase"].__setitem__(1, 5)),
+        "address over int64": variant(lambda d: d["events"]["address"].__setitem__(1, 2**64 + 1)),
+        "nested column": variant(lambda d: d["events"].__setitem__("phase", [[0]] * 8)),
+        "events not an object": variant(lambda d: d.__setitem__("events", [])),
+        "overlapping phases": variant(lambda d: d["phases"][1].__setitem__("start_us", 3)),
+        "label not a string": variant(lambda d: d["events"].__setitem__("label", [5] * 8)),
+        "wrong action names": variant(lambda d: d.__setitem__("actions", ["alloc"])),
+    }
+
+
+def test_hostile_timelines_plot_refused_no_output(tmp_path, capsys):
+    variants = _timeline_variants()
+    for name, doc in variants.items():
+        source = tmp_path / "in.json"
+        source.write_text(json.dumps(doc))
+        png = tmp_path / "out.png"
+        code, out, err = run_cli(capsys, "plot", source, "--output", png)
+        one_line_error(code, err)
+        assert not png.exists(), name
+        source.unlink()
+    for argv in (["plot", tmp_path / "none.json", "--output", tmp_path / "o.png"],
+                 ["plot", tmp_path, "--output", tmp_path / "o.png"],
+                 ["plot", tmp_path / "x.json", "--output", tmp_path / "no-such-folder" / "o.png"],
+                 ["convert", tmp_path / "none.pickle", "--output", tmp_path / "t.json"]):
+        code, out, err = run_cli(capsys, *argv)
+        one_line_error(code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_usage_errors_exit_2_one_line():
+    for argv in (["plot", "x.json", "--output", "o.png", "--bins", "0"], ["explain"], ["frobnicate"],
+                 ["explain", "x", "--format", "xml"], ["explain", "x", "--failed-request-bytes", "-3"]):
+        done = subprocess.run([sys.executable, "-m", "lab_helpers.timeline", *argv], capture_output=True,
+                              text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and "error:" in done.stderr, argv
+
+
+def test_help_names_every_flag():
+    text = tl.build_parser()._subparsers._group_actions[0].choices["plot"].format_help()
+    for flag in ("--output", "--top", "--bins", "--max-file-bytes"):
+        assert flag in text
+
+
+# ------------------------------------------------------------------ scaling
+def _benchmark_module():
+    spec = importlib.util.spec_from_file_location("timeline_plot_bench", ROOT / "benchmarks" / "timeline_plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_100k_events_load_and_plot_under_2_cpu_seconds(tmp_path):
+    bench = _benchmark_module()
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(bench.synthetic_timeline(100_000, seed=1), separators=(",", ":")))
+    tl.render_png(tl.load_timeline(path, check=False), bins=50)  # imports and font cache, not timed
+    # CPU seconds of this process: the bound holds on a busy shared machine too
+    started = time.process_time()
+    png = tl.render_png(tl.load_timeline(path, check=False))
+    elapsed = time.process_time() - started
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert elapsed < 2.0, f"100k events took {elapsed:.2f} CPU seconds"
+
+
+def test_binned_plot_keeps_the_exact_peak():
+    bench = _benchmark_module()
+    timeline = bench.synthetic_timeline(50_000, seed=2)
+    arrays = tl.check_timeline(timeline)
+    peak = int(arrays["allocated"].max())
+    from matplotlib.figure import Figure
+    ax = Figure().add_subplot()
+    tl.plot_timeline(timeline, ax=ax, bins=100)
+    top = max(collection.get_paths()[0].vertices[:, 1].max() for collection in ax.collections)
+    assert top == pytest.approx(peak / MiB)
+    assert max(p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)) == peak
+
+
+@pytest.mark.gpu
+def test_gpu_phase_peaks_equal_torch_counters():
+    torch = pytest.importorskip("torch")
+    device = "cuda:0"
+    keep, marks, measured = [], [], []
+    tl.record_history(torch, device, max_entries=100_000)
+    try:
+        for name, sizes in (("first", [3 * MiB, 5 * MiB + 100]), ("second", [20 * MiB, 700_000, 1000])):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = tl.now_us()
+            made = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+            keep.append(made[0])
+            del made
+            torch.cuda.synchronize(device)
+            measured.append(torch.cuda.max_memory_allocated(device))
+            marks.append((name, None, start, tl.now_us()))
+    finally:
+        snapshot = tl.stop_history(torch, device)
+    timeline = tl.timeline_from_snapshot(snapshot, marks, device=torch.device(device).index)
+    assert [p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)] == measured
+    assert tl.render_png(timeline)[:8] == b"\x89PNG\r\n\x1a\n"
