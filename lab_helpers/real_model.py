@@ -156,24 +156,27 @@ def torch_cpu_device():
     return torch.device("cpu")
 
 
-def run_protocol(shape: ModelShape, spec: RunSpec, device, phase) -> dict:
+def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) -> None:
     """Build, feed, prefill and decode; `phase(name, action, index, recorded)` runs each step.
 
     The same function runs on a GPU (measured) and on the meta device (traced), so the
-    order in which tensors are made and dropped is the same in both."""
+    order in which tensors are made and dropped is the same in both. With `model` (an
+    already built one), the model_load phase is skipped."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     hf_config = _hf_config(shape)
     dtype = getattr(torch, spec.dtype)
     state = {}
-    _import_model_code(hf_config)
+    if model is None:
+        _import_model_code(hf_config)
 
     def load_model():
         torch.manual_seed(spec.seed)
         with torch.device(device), _weight_init_on_meta(device):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
         state["model"] = model.eval()
+        return state["model"]
 
     def make_inputs():
         if device.type == "meta":
@@ -194,7 +197,10 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase) -> dict:
                              logits_to_keep=1)
         state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
-    phase("model_load", load_model, None, True)
+    if model is None:
+        phase("model_load", load_model, None, True)
+    else:
+        state["model"] = model
     phase("inputs", make_inputs, None, True)
     with torch.inference_mode():
         phase("prefill", prefill, None, True)
@@ -202,7 +208,6 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase) -> dict:
         for step in range(spec.new_tokens):
             phase("decode", decode_step, step, step in recorded)
     state.clear()
-    return {}
 
 
 def model_description(shape: ModelShape, dtype: str) -> dict:
@@ -288,29 +293,70 @@ def measure(shape: ModelShape, spec: RunSpec) -> dict:
 
 
 # ----------------------------------------------------------------- predict
-def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None) -> dict:
-    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device."""
-    spec.checked()
+def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None) -> dict:
+    """Trace the model_load phase once; predictions of other sizes start from a copy of it."""
     import torch
     # >>> library only
     from lab_helpers.alloc_trace import AllocationTracer, CappedAllocator
     # <<< library only
-
     tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
-    alloc = tracer.allocator
-    phases = []
-    totals = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
+    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes}
 
     def phase(name, action, index, recorded):
+        with tracer:
+            loaded["model"] = action()
         tracer.collect(settled=True)
+        alloc = tracer.allocator
+        loaded["record"] = {
+            "phase": name, "index": index, "passes": 0,
+            "baseline_allocated_bytes": 0, "baseline_reserved_bytes": 0,
+            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
+            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+        }
+        raise _Loaded()
+
+    spec = RunSpec(shape.name, dtype=dtype).checked()
+    hf_config = _hf_config(shape)
+    _import_model_code(hf_config)
+    try:
+        run_protocol(shape, spec, torch.device("meta"), phase)
+    except _Loaded:
+        pass
+    tracer.settle()
+    # the weights live as long as the model: their blocks stay allocated in the copies
+    loaded["weights_bytes"] = sum(block.size for _, block, _ in tracer.settled.values())
+    loaded["allocator"] = tracer.allocator
+    return loaded
+
+
+class _Loaded(Exception):
+    """Stops run_protocol once the model is built."""
+
+
+def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) -> dict:
+    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device."""
+    spec.checked()
+    import copy
+
+    import torch
+    # >>> library only
+    from lab_helpers.alloc_trace import AllocationTracer
+    # <<< library only
+    if loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes:
+        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes)
+    tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
+    alloc = tracer.allocator
+    phases = [dict(loaded["record"])]
+    totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
+              "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
+
+    def phase(name, action, index, recorded):
+        tracer.collect()
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
-        if recorded:
-            alloc.reset_peaks()
+        alloc.reset_peaks()
         with tracer:
             action()
-        tracer.collect(settled=True)
-        if name == "model_load":
-            tracer.settle()
+        tracer.collect()
         totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
         totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
         if recorded:
@@ -321,14 +367,7 @@ def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None) -> dict:
                 "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
             })
 
-    weights = {}
-
-    def traced_phase(name, action, index, recorded):
-        phase(name, action, index, recorded)
-        if name == "model_load":
-            weights["bytes"] = sum(block.size for _, block, _ in tracer.settled.values())
-
-    run_protocol(shape, spec, torch.device("meta"), traced_phase)
+    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"])
     prediction = {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
@@ -339,7 +378,7 @@ def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None) -> dict:
         "overall": totals,
         "phases": phases,
     }
-    _where_the_bytes_go(prediction, shape, spec, weights["bytes"], tracer.workspace_bytes)
+    _where_the_bytes_go(prediction, shape, spec, loaded["weights_bytes"], tracer.workspace_bytes)
     return prediction
 
 
@@ -427,6 +466,7 @@ q = torch.ones(1, 2, 64, 64, device=DEVICE, dtype=torch.bfloat16)
 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 x.argmax(-1)
 torch.cuda.synchronize()
+torch.cuda.empty_cache()
 held = torch.cuda.memory_reserved(DEVICE)
 step = 2 * 2**20
 low, high = 0, torch.cuda.mem_get_info(DEVICE)[0] // step + 1
@@ -487,12 +527,12 @@ def gpu_budget(gpu: str, tariffs=None) -> tuple:
                         f"the CUDA context and libraries take part of it")
 
 
-def _fits(shape: ModelShape, spec: RunSpec, budget: int) -> dict:
+def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
     # >>> library only
     from lab_helpers.alloc_trace import OutOfMemory
     # <<< library only
     try:
-        prediction = predict(shape, spec, capacity_bytes=budget)
+        prediction = predict(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
         return {"fits": False}
     return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
@@ -530,13 +570,20 @@ def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budge
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
     cache = {}
+    # >>> library only
+    from lab_helpers.alloc_trace import OutOfMemory
+    # <<< library only
+    try:
+        loaded = load_for_prediction(shape, dtype, budget_bytes)
+    except OutOfMemory:
+        loaded = None  # the weights alone do not fit
 
     def fits(b, t):
         if (b, t) not in cache:
-            if b * (t + new_tokens) > MAX_TOKENS:
-                cache[(b, t)] = {"fits": False, "beyond_bounds": True}
+            if loaded is None or b * (t + new_tokens) > MAX_TOKENS:
+                cache[(b, t)] = {"fits": False}
             else:
-                cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes)
+                cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
         return cache[(b, t)]["fits"]
@@ -549,7 +596,8 @@ def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budge
                       "out-of-memory error; peak reserved is then at most the budget"),
     }
     if batch is not None and context is not None:
-        point = _fits(shape, replace(base, batch=batch, context=context), budget_bytes)
+        point = ({"fits": False} if loaded is None else
+                 _fits(shape, replace(base, batch=batch, context=context), budget_bytes, loaded))
         result.update({"batch": batch, "context": context, "fits": point["fits"],
                        "peak_reserved_bytes": point.get("peak_reserved_bytes"),
                        "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
@@ -561,6 +609,7 @@ def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budge
             raise RunError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                            f"minus {new_tokens} new tokens")
         result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), min(MAX_BATCH, MAX_TOKENS // (context + new_tokens)))
+    result["weights_fit"] = loaded is not None
     result["predictions_run"] = len(cache)
     return result
 
