@@ -294,17 +294,43 @@ class AddressedAllocator(AllocatorModel):
     def __init__(self):
         super().__init__()
         self.top = self.TOP
+        self.holes = []  # (start, size) of address ranges given back by released large segments
 
     def malloc(self, request_bytes: int):
         reserved, base = self.reserved, self.next_address
         block = super().malloc(request_bytes)
         grown = self.reserved - reserved
         if grown > LARGE_SEGMENT_BYTES:
-            self.top -= grown
+            start = self._take_hole(grown)
+            if start is None:
+                self.top -= grown
+                start = self.top
             for member in block.segment:
-                member.address += self.top - base
+                member.address += start - base
             self.next_address = base
         return block
+
+    def _take_hole(self, size: int):
+        """Top-down: the highest released range that fits, at its top end."""
+        fitting = [h for h in self.holes if h[1] >= size]
+        if not fitting:
+            return None
+        hole = max(fitting)
+        self.holes.remove(hole)
+        if hole[1] > size:
+            self.holes.append((hole[0], hole[1] - size))
+        return hole[0] + hole[1] - size
+
+    def give_back(self, block) -> None:
+        """Record the address range of a released large segment, merged with its neighbours."""
+        if block.size <= LARGE_SEGMENT_BYTES:
+            return
+        start, end = block.address, block.address + block.size
+        for hole in list(self.holes):
+            if hole[0] + hole[1] == start or hole[0] == end:
+                self.holes.remove(hole)
+                start, end = min(start, hole[0]), max(end, hole[0] + hole[1])
+        self.holes.append((start, end - start))
 
 
 class OutOfMemory(Exception):
@@ -338,3 +364,4 @@ class CappedAllocator(AddressedAllocator):
             for block in [b for b in pool if len(b.segment) == 1]:
                 pool.remove(block)
                 self.reserved -= block.size
+                self.give_back(block)

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
+# lab_helpers/../data/models for the module; notebooks/../data/models in a notebook
+MODELS_DIR = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent / "data" / "models"
 # model_type -> the transformers class the lab builds; the three families validated on a GPU
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

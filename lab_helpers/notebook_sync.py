@@ -21,6 +21,13 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/sweep.py",
     ),
     "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py",),
+    "notebooks/real-model.ipynb": (
+        "lab_helpers/mesure_memoire.py",
+        "lab_helpers/calcul_forfaits.py",
+        "lab_helpers/model_config.py",
+        "lab_helpers/alloc_trace.py",
+        "lab_helpers/real_model.py",
+    ),
 }
 TAG_PREFIX = "generated-from:"
 BANNER = "# Generated from {source} by `make sync`: edit that file, not this cell."

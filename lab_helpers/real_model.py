@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # >>> library only
-from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names,
-                                      load_config)
-from lab_helpers import mesure_memoire
+from lab_helpers.calcul_forfaits import ForfaitError, load_card
+from lab_helpers.mesure_memoire import AllocatorModel, LabError, environment, parse_device, write_new_json
+from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
+                                      parse_config)
 # <<< library only
 
 SCHEMA_VERSION = 1
@@ -39,7 +40,9 @@ CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers
 ASSUMPTIONS = ("a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the library's default "
                "attention (SDPA) and cache (DynamicCache); free blocks of equal size taken in the order their "
                "segments were made; reserved without a cache flush unless a capacity is given")
-TARIFFS = Path(__file__).resolve().parent.parent / "data" / "tarifs-forfaits.csv"
+# the repository root: lab_helpers/.. for the module, notebooks/.. in a notebook
+_REPOSITORY = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent
+TARIFFS = _REPOSITORY / "data" / "tarifs-forfaits.csv"
 
 
 class RunError(Exception):
@@ -222,8 +225,8 @@ def model_description(shape: ModelShape, dtype: str) -> dict:
 # ----------------------------------------------------------------- measure
 def _check_cuda(torch, spec: RunSpec):
     try:
-        index = mesure_memoire.parse_device(spec.device)
-    except mesure_memoire.LabError as exc:
+        index = parse_device(spec.device)
+    except LabError as exc:
         raise RunError(str(exc)) from None
     if not torch.cuda.is_available():
         raise RunError("no CUDA device is available to torch; measure never falls back to the CPU")
@@ -245,7 +248,7 @@ def measure(shape: ModelShape, spec: RunSpec) -> dict:
     device = _check_cuda(torch, spec)
     torch.cuda.set_device(device)
     torch.cuda.init()
-    env = mesure_memoire.environment(spec.device)
+    env = environment(spec.device)
     phases = []
 
     def phase(name, action, index, recorded):
@@ -293,12 +296,21 @@ def measure(shape: ModelShape, spec: RunSpec) -> dict:
 
 
 # ----------------------------------------------------------------- predict
+def _tracing():
+    """lab_helpers.alloc_trace, imported on first use because it imports torch; in a notebook,
+    where an earlier cell defined its names, the notebook's namespace."""
+    import importlib
+    try:
+        return importlib.import_module("lab_helpers.alloc_trace")
+    except ImportError:
+        return sys.modules["__main__"]
+
+
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None) -> dict:
     """Trace the model_load phase once; predictions of other sizes start from a copy of it."""
     import torch
-    # >>> library only
-    from lab_helpers.alloc_trace import AllocationTracer, CappedAllocator
-    # <<< library only
+    AllocationTracer = _tracing().AllocationTracer
+    CappedAllocator = _tracing().CappedAllocator
     tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
     loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes}
 
@@ -339,9 +351,7 @@ def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) 
     import copy
 
     import torch
-    # >>> library only
-    from lab_helpers.alloc_trace import AllocationTracer
-    # <<< library only
+    AllocationTracer = _tracing().AllocationTracer
     if loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes:
         loaded = load_for_prediction(shape, spec.dtype, capacity_bytes)
     tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
@@ -384,7 +394,6 @@ def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) 
 
 def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str) -> int:
     """Allocated bytes of DynamicCache's keys and values: one tensor each per layer."""
-    from lab_helpers.mesure_memoire import AllocatorModel
     one = batch * shape.kv_heads * positions * shape.head_dim * DTYPE_BYTES[dtype]
     return 2 * shape.layers * AllocatorModel.round_size(one) if positions else 0
 
@@ -413,7 +422,6 @@ def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weig
 # ----------------------------------------------------------------- compare
 def compare(measurement: dict) -> dict:
     """A measurement beside its prediction, phase by phase; differences are measured - predicted."""
-    from lab_helpers.model_config import parse_config
     try:
         configuration = dict(measurement["configuration"])
         if configuration.pop("kind") != "transformers":
@@ -491,8 +499,8 @@ def usable_memory_bytes(device: str = "cuda:0") -> int:
     """The largest reserved a fresh measuring process can reach on `device`, found in a child process."""
     import subprocess
     try:
-        index = mesure_memoire.parse_device(device)
-    except mesure_memoire.LabError as exc:
+        index = parse_device(device)
+    except LabError as exc:
         raise RunError(str(exc)) from None
     code = USABLE_PROBE.replace("DEVICE", repr(f"cuda:{index}"))
     try:
@@ -509,15 +517,12 @@ def gpu_budget(gpu: str, tariffs=None) -> tuple:
     """(bytes, source) of a rate-card GPU: the measured usable figure where the lab has one,
     else the vendor's "GB" figure read as 10^9 bytes (an upper bound: the CUDA context and
     the libraries take some of it)."""
-    # >>> library only
-    from lab_helpers import calcul_forfaits
-    # <<< library only
     if gpu in MEASURED_USABLE:
         value, where = MEASURED_USABLE[gpu]
         return value, f"measured usable memory of a fresh measuring process ({where})"
     try:
-        rows = calcul_forfaits.load_card(tariffs or TARIFFS)
-    except calcul_forfaits.ForfaitError as exc:
+        rows = load_card(tariffs or TARIFFS)
+    except ForfaitError as exc:
         raise RunError(str(exc)) from None
     found = [row for row in rows if row["model_id"] == gpu]
     if not found:
@@ -528,9 +533,7 @@ def gpu_budget(gpu: str, tariffs=None) -> tuple:
 
 
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
-    # >>> library only
-    from lab_helpers.alloc_trace import OutOfMemory
-    # <<< library only
+    OutOfMemory = _tracing().OutOfMemory
     try:
         prediction = predict(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
@@ -570,9 +573,7 @@ def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budge
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
     cache = {}
-    # >>> library only
-    from lab_helpers.alloc_trace import OutOfMemory
-    # <<< library only
+    OutOfMemory = _tracing().OutOfMemory
     try:
         loaded = load_for_prediction(shape, dtype, budget_bytes)
     except OutOfMemory:
@@ -742,8 +743,8 @@ def run_command(args) -> dict:
         raise RunError(f"the folder of {output.name} does not exist")
     document = measure(shape, spec)
     try:
-        mesure_memoire.write_new_json(output, document)
-    except mesure_memoire.LabError as exc:
+        write_new_json(output, document)
+    except LabError as exc:
         raise RunError(str(exc)) from None
     return {"output": str(output), "phases": len(document["phases"])}
 
