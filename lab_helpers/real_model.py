@@ -489,9 +489,10 @@ while high - low > 1:
     torch.cuda.empty_cache()
 print(json.dumps({"usable_memory_bytes": held + low * step}))
 """
-# Measured with the probe above (`fit` runs it when a GPU is visible and no budget is given).
+# Measured with the probe above on 2026-11-29 (`fit` runs it itself when a GPU is visible
+# and no budget is given).
 MEASURED_USABLE = {
-    "h200-sxm": (149354971136 + 2 * 2**20 + 32 * 2**20 + 2**20, "NVIDIA H200, torch 2.11.0+cu130, CUDA 13.0"),
+    "h200-sxm": (149380136960, "NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130"),
 }
 
 
