@@ -276,7 +276,7 @@ class AllocationTracer(TorchDispatchMode):
                                    device="meta").transpose(1, 2)
         # the math fallback: its composite runs op by op, as on CUDA
         with self:
-            return aten._scaled_dot_product_attention_math(
+            return aten._scaled_dot_product_attention_math.default.decompose(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
                 enable_gqa=enable_gqa)[0]
 
