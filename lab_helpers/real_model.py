@@ -3,7 +3,7 @@
     python -m lab_helpers.real_model predict --config llama-3.1-8b --dtype bfloat16 --batch 1 --context 4096 --new-tokens 64
     python -m lab_helpers.real_model measure --config llama-3.1-8b ... --device cuda:0 --output m.json
     python -m lab_helpers.real_model compare m.json
-    python -m lab_helpers.real_model fit --config llama-3.1-8b --gpu h200 --dtype bfloat16 --batch 1 --new-tokens 64
+    python -m lab_helpers.real_model fit --config llama-3.1-8b --gpu h200-sxm --dtype bfloat16 --batch 1 --new-tokens 64
 
 `predict` and `measure` run the same code (`run_protocol`): on the GPU it is measured
 with the allocator's own counters, on PyTorch's meta device it is traced op by op
@@ -91,9 +91,7 @@ class RunSpec:
 def recorded_steps(new_tokens: int, every: int) -> list:
     """Decode steps (0-based) that get a record: every `every`-th one, and the last.
 
-    Step 0 is the first decode step; the prefill already produced the first new token,
-    so `new_tokens` N means N - 1 decode steps... kept simple: N decode steps, N + 1 tokens
-    generated in all (the prefill's greedy token, then one per step)."""
+    `new_tokens` N is N decode steps after the prefill (whose greedy token feeds step 0)."""
     steps = [s for s in range(new_tokens) if s % every == 0]
     if new_tokens - 1 not in steps:
         steps.append(new_tokens - 1)
@@ -145,18 +143,15 @@ def _weight_init_on_meta(device):
     if device.type != "meta":
         yield
         return
+    import torch
     import transformers.modeling_utils as modeling_utils
+    # transformers' own check (a module-level function of 5.17) decides whether to skip the init
     original = modeling_utils.get_torch_context_manager_or_global_device
-    modeling_utils.get_torch_context_manager_or_global_device = lambda: torch_cpu_device()
+    modeling_utils.get_torch_context_manager_or_global_device = lambda: torch.device("cpu")
     try:
         yield
     finally:
         modeling_utils.get_torch_context_manager_or_global_device = original
-
-
-def torch_cpu_device():
-    import torch
-    return torch.device("cpu")
 
 
 def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) -> None:
