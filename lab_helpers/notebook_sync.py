@@ -27,6 +27,13 @@ NOTEBOOK_SOURCES = {
     "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/mesure_memoire.py",
                                  "lab_helpers/grid.py"),
     "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py"),
+    "notebooks/real-model.ipynb": (
+        "lab_helpers/mesure_memoire.py",
+        "lab_helpers/calcul_forfaits.py",
+        "lab_helpers/model_config.py",
+        "lab_helpers/alloc_trace.py",
+        "lab_helpers/real_model.py",
+    ),
 }
 TAG_PREFIX = GENERATED_TAG_PREFIX
 BANNER = "# Generated from {source} by `make sync`: edit that file, not this cell."

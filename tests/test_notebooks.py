@@ -20,7 +20,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_the_three_notebooks_exist():
-    assert [p.name for p in NOTEBOOKS] == ["forfaits.ipynb", "mesure-memoire.ipynb", "pic-vs-reserve.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["forfaits.ipynb", "mesure-memoire.ipynb", "pic-vs-reserve.ipynb",
+                                           "real-model.ipynb"]
 
 
 def committed_forms(path: Path) -> dict:

@@ -1,0 +1,367 @@
+"""Trace the CUDA caching allocator's requests of PyTorch code run on the meta device.
+
+Meta tensors carry exact sizes and no memory. `AllocationTracer`, a dispatch-level mode,
+sees every aten op: each output whose storage is new is an allocation, and a storage
+whose last reference died (checked at op boundaries) is a release. Releases found
+between two allocations can be applied in any order without changing the allocator's
+state, so op-boundary detection is exact. Each request goes straight into
+mesure_memoire.AllocatorModel, so the trace itself is never stored.
+
+Where a CUDA kernel allocates differently from its meta version, the tracer replays the
+CUDA behaviour measured with torch 2.11.0+cu130 on an NVIDIA H200 (see `CudaBehaviour`).
+"""
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# >>> library only
+from lab_helpers.mesure_memoire import LARGE_SEGMENT_BYTES, AllocatorModel
+# <<< library only
+
+MIB = 2**20
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CudaBehaviour:
+    """What CUDA kernels allocate that their meta versions do not (bytes, in order).
+
+    Measured with torch.cuda.memory._record_memory_history on an NVIDIA H200 (compute
+    capability 9.0), torch 2.11.0+cu130, transformers 5.17.0."""
+
+    # the first cuBLAS product of the process (a plain mm/bmm/matmul) allocates its
+    # workspace right after its output: PyTorch's default on compute capability 9.0
+    cublas_workspace_bytes: int = 32 * MIB
+    # the first product with a bias (addmm, cuBLASLt) adds cuBLASLt's own workspace
+    cublaslt_workspace_bytes: int = MIB
+    # cuDNN attention (fp16/bf16, no mask): a philox seed and offset (int64 scalars),
+    # the output, then a workspace freed before the call returns
+    cudnn_prefill_workspace_bytes: int = 256
+    # the device, for the reduction kernels' launch configuration
+    multiprocessors: int = 132
+    threads_per_multiprocessor: int = 2048
+
+
+DEFAULT_BEHAVIOUR = CudaBehaviour()
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: int,
+                         behaviour: CudaBehaviour) -> tuple:
+    """(staging bytes, semaphore bytes) of argmax over the last, contiguous dimension.
+
+    PyTorch's setReduceConfig (aten/src/ATen/native/cuda/Reduce.cuh) for a reduction along
+    the fastest dimension: 512 threads at most, input vectorised by 4, and a split of each
+    output across blocks ("global reduce") when a thread would still see >= 256 values.
+    The accumulator of argmax is a (float, int64) pair: 16 bytes."""
+    accumulator_bytes = 16
+    max_threads, warp, vector = 512, 32, 4
+    dim0 = inputs_per_output
+    if dim0 > 128:
+        dim0 //= vector
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(outputs) if outputs < max_threads else max_threads
+    width = min(dim0_pow2, warp)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    threads = width * height
+    step_input = width
+    per_thread = -(-inputs_per_output // step_input)
+    if not (per_thread >= height * 16 or per_thread >= 256):
+        return 0, 0
+    step_input *= height
+    per_thread = -(-inputs_per_output // step_input)
+    grid_x = outputs  # one output per block row: step_output is 1 here
+    target_grid = behaviour.multiprocessors * (behaviour.threads_per_multiprocessor // threads)
+    if per_thread < 256 or grid_x > target_grid:
+        return 0, 0
+    ctas = max(min(-(-target_grid // grid_x), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return 0, 0
+    return accumulator_bytes * outputs * ctas, 4 * grid_x
+
+
+def cudnn_decode_workspace_bytes(batch: int, heads: int, kv_length: int) -> int:
+    """Workspace of cuDNN attention for one query token over `kv_length` keys."""
+    return 0
+
+
+def _layout_key(value):
+    """A hashable key of an argument: tensors by layout, never by value."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type,
+                value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_layout_key(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _layout_key(v)) for k, v in value.items()))
+    hash(value)
+    return (type(value).__name__, value)
+
+
+def _plain_storage(t) -> bool:
+    """True when `t` owns exactly the storage empty_strided would give it."""
+    if t.device.type != "meta" or t.storage_offset() != 0:
+        return False
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.untyped_storage().nbytes() == span * t.element_size()
+
+
+class AllocationTracer(TorchDispatchMode):
+    """Feeds every CUDA-equivalent allocation and release of meta-device code to an AllocatorModel."""
+
+    def __init__(self, allocator: AllocatorModel = None, behaviour: CudaBehaviour = DEFAULT_BEHAVIOUR):
+        super().__init__()
+        self.allocator = allocator if allocator is not None else AddressedAllocator()
+        self.behaviour = behaviour
+        self.live = {}  # storage key -> (weak reference, allocator block, nbytes)
+        # storages known to outlive the next phase (the weights): checked at phase
+        # boundaries only, so that each allocation scans just the young storages
+        self.settled = {}
+        self.cublas_ready = False
+        self.cublaslt_ready = False
+        self.workspace_bytes = 0  # held by cuBLAS/cuBLASLt for the process's life
+        self.requests = 0
+        self.layouts = {}  # (op, input layouts) -> output layouts, see _run
+
+    # ------------------------------------------------------------ bookkeeping
+    def collect(self, settled: bool = False) -> None:
+        """Release every traced storage that no tensor refers to any more."""
+        for table in (self.live, self.settled) if settled else (self.live,):
+            for key, (ref, block, _) in list(table.items()):
+                if ref.expired():
+                    del table[key]
+                    self.allocator.free(block)
+
+    def settle(self) -> None:
+        """Mark every storage alive now as long-lived (checked at phase boundaries only)."""
+        self.collect(settled=True)
+        self.settled.update(self.live)
+        self.live.clear()
+
+    def live_bytes(self) -> int:
+        return sum(n for table in (self.live, self.settled) for _, _, n in table.values())
+
+    def _track(self, result, inputs) -> None:
+        held = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(result):
+            if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in held or key in self.settled:
+                continue  # a view or an in-place result: no new memory
+            # releases since the last allocation, in any order: the allocator's state is the same
+            self.collect()
+            entry = self.live.get(key)
+            if entry is not None:
+                if not entry[0].expired():
+                    continue
+                del self.live[key]
+                self.allocator.free(entry[1])
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                continue  # the caching allocator hands out no block for 0 bytes
+            self.requests += 1
+            self.live[key] = (StorageWeakRef(storage), self.allocator.malloc(nbytes), nbytes)
+
+    def _scratch(self, nbytes: int) -> None:
+        """A kernel-internal buffer: allocated, then freed before the op returns."""
+        if nbytes > 0:
+            self.collect()
+            self.allocator.free(self.allocator.malloc(nbytes))
+
+    def _persistent(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self.collect()
+            self.workspace_bytes += self.allocator.malloc(nbytes).size  # held for the process's life
+
+    # --------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.scaled_dot_product_attention.default:
+            return self._attention(*args, **kwargs)
+        result = self._run(func, args, kwargs)
+        self._track(result, tree_leaves((args, kwargs)))
+        self._after_kernel(func, args)
+        return result
+
+    def _run(self, func, args, kwargs):
+        """Run a meta kernel, or rebuild its outputs from a cache of output layouts.
+
+        Many meta kernels are Python reference implementations, slow next to the empty
+        tensors they produce; a decoder repeats the same ops on the same shapes in every
+        layer, so an op that creates fresh outputs (no aliasing, no mutation) is run once
+        per distinct input layout."""
+        schema = func._schema
+        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+            return func(*args, **kwargs)
+        try:
+            key = (func, _layout_key(args), _layout_key(kwargs))
+            layouts = self.layouts.get(key)
+        except TypeError:  # an argument that cannot be a key
+            return func(*args, **kwargs)
+        if layouts is not None:
+            outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in layouts]
+            return outs[0] if len(outs) == 1 and not isinstance(layouts, tuple) else tuple(outs)
+        result = func(*args, **kwargs)
+        outs = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, tuple) else None
+        if outs and all(isinstance(t, torch.Tensor) and _plain_storage(t) for t in outs):
+            found = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
+            self.layouts[key] = found if isinstance(result, torch.Tensor) else tuple(found)
+        return result
+
+    def _after_kernel(self, func, args) -> None:
+        if func in (aten.linear.default, aten.addmm.default):
+            has_bias = func is aten.addmm.default or (len(args) > 2 and args[2] is not None)
+            self._blas(lt=has_bias)
+        elif func in (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.baddbmm.default):
+            self._blas(lt=False)
+        elif func is aten.argmax.default:
+            self._argmax_staging(*args)
+        elif func is aten.pow.Scalar:
+            # CUDA wraps the scalar base in a one-element double tensor on the device
+            self._scratch(8)
+
+    def _blas(self, lt: bool) -> None:
+        if not self.cublas_ready:
+            self.cublas_ready = True
+            self._persistent(self.behaviour.cublas_workspace_bytes)
+        if lt and not self.cublaslt_ready:
+            self.cublaslt_ready = True
+            self._persistent(self.behaviour.cublaslt_workspace_bytes)
+
+    def _argmax_staging(self, values, dim=None, keepdim=False) -> None:
+        """argmax along a contiguous last dimension: CUDA's reduction may split each row
+        across thread blocks, staging partial results and semaphores in device memory."""
+        if dim is None or values.dim() == 0 or dim % values.dim() != values.dim() - 1 or not values.is_contiguous():
+            return
+        staging, semaphores = argmax_staging_bytes(values.numel() // values.shape[-1], values.shape[-1],
+                                                   values.element_size(), self.behaviour)
+        if staging:
+            self.collect()
+            buffer = self.allocator.malloc(staging)
+            flags = self.allocator.malloc(semaphores)
+            self.allocator.free(buffer)
+            self.allocator.free(flags)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        """scaled_dot_product_attention as CUDA runs it: the backend decides what is allocated."""
+        batch, heads, q_length, _ = query.shape
+        kv_length, v_dim = key.shape[-2], value.shape[-1]
+        fused = attn_mask is None and dropout_p == 0.0 and query.shape[-1] <= 128
+        if fused and query.dtype in (torch.float16, torch.bfloat16):
+            # cuDNN attention: seed, offset, output ([B, L, H, D] in memory), workspace
+            with self:
+                seed = torch.empty((), dtype=torch.int64, device="meta")
+                offset = torch.empty((), dtype=torch.int64, device="meta")
+                out = torch.empty((batch, q_length, heads, v_dim), dtype=query.dtype, device="meta").transpose(1, 2)
+            if q_length > 1:
+                self._scratch(self.behaviour.cudnn_prefill_workspace_bytes)
+            else:
+                self._scratch(cudnn_decode_workspace_bytes(batch, heads, kv_length))
+            del seed, offset
+            return out
+        if fused and not enable_gqa:
+            # memory-efficient attention: the output only (no logsumexp in inference)
+            with self:
+                return torch.empty((batch, q_length, heads, v_dim), dtype=query.dtype,
+                                   device="meta").transpose(1, 2)
+        # the math fallback: its composite runs op by op, as on CUDA
+        with self:
+            return aten._scaled_dot_product_attention_math.default.decompose(
+                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+                enable_gqa=enable_gqa)[0]
+
+
+class AddressedAllocator(AllocatorModel):
+    """AllocatorModel whose segments get addresses the way the CUDA driver was seen to give them.
+
+    Among free blocks of equal size the caching allocator takes the lowest address. On the
+    H200 (driver 580, CUDA 13.0), segments above 20 MiB were mapped top-down, each below the
+    last, while 2 MiB and 20 MiB segments were mapped bottom-up: so among large free blocks
+    of equal size the newest segment's is taken first."""
+
+    TOP = 2**60
+
+    def __init__(self):
+        super().__init__()
+        self.top = self.TOP
+        self.holes = []  # (start, size) of address ranges given back by released large segments
+
+    def malloc(self, request_bytes: int):
+        reserved, base = self.reserved, self.next_address
+        block = super().malloc(request_bytes)
+        grown = self.reserved - reserved
+        if grown > LARGE_SEGMENT_BYTES:
+            start = self._take_hole(grown)
+            if start is None:
+                self.top -= grown
+                start = self.top
+            for member in block.segment:
+                member.address += start - base
+            self.next_address = base
+        return block
+
+    def _take_hole(self, size: int):
+        """Top-down: the highest released range that fits, at its top end."""
+        fitting = [h for h in self.holes if h[1] >= size]
+        if not fitting:
+            return None
+        hole = max(fitting)
+        self.holes.remove(hole)
+        if hole[1] > size:
+            self.holes.append((hole[0], hole[1] - size))
+        return hole[0] + hole[1] - size
+
+    def give_back(self, block) -> None:
+        """Record the address range of a released large segment, merged with its neighbours."""
+        if block.size <= LARGE_SEGMENT_BYTES:
+            return
+        start, end = block.address, block.address + block.size
+        for hole in list(self.holes):
+            if hole[0] + hole[1] == start or hole[0] == end:
+                self.holes.remove(hole)
+                start, end = min(start, hole[0]), max(end, hole[0] + hole[1])
+        self.holes.append((start, end - start))
+
+
+class OutOfMemory(Exception):
+    """The replayed allocator could not get a new segment within its capacity."""
+
+
+class CappedAllocator(AddressedAllocator):
+    """AllocatorModel on a device of `capacity_bytes`: when a new segment does not fit, it
+    first releases every cached segment that is wholly free (as the caching allocator does
+    before reporting out of memory, under default settings), then gives up."""
+
+    def __init__(self, capacity_bytes: int):
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+
+    def malloc(self, request_bytes: int):
+        size = self.round_size(request_bytes)
+        small = size <= 2**20
+        if not any(b.size >= size for b in self.free_blocks[small]):
+            segment = self.segment_size(size)
+            if self.reserved + segment > self.capacity_bytes:
+                self.release_cached()
+                if self.reserved + segment > self.capacity_bytes:
+                    raise OutOfMemory(f"{segment} more bytes needed with {self.reserved} reserved "
+                                      f"of {self.capacity_bytes}")
+        return super().malloc(request_bytes)
+
+    def release_cached(self) -> None:
+        """Return every wholly free segment to the device (cudaFree), as empty_cache does."""
+        for small, pool in self.free_blocks.items():
+            for block in [b for b in pool if len(b.segment) == 1]:
+                pool.remove(block)
+                self.reserved -= block.size
+                self.give_back(block)

@@ -1,0 +1,197 @@
+"""Architecture facts of a decoder-only transformers model, from a Hugging Face config.json.
+
+Only the standard library: a config is read and checked here once, before torch or
+transformers are imported, so that a bad file or an absurd size is refused at once.
+A config names its file or a bundled one under data/models/ (architecture facts only,
+never weights).
+"""
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+# lab_helpers/../data/models for the module; notebooks/../data/models in a notebook
+MODELS_DIR = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent / "data" / "models"
+# model_type -> the transformers class the lab builds; the three families validated on a GPU
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+REQUIRED_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_hidden_layers", "vocab_size")
+# Refused before any work: far beyond any published decoder (Llama 3.1 405B: hidden
+# 16384, 126 layers, 128 heads; the largest vocabularies are about 260k).
+MAX_HIDDEN = 65536
+MAX_INTERMEDIATE = 262144
+MAX_LAYERS = 512
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_VOCAB = 2**20
+MAX_CONFIG_BYTES = 2**20  # a config.json is a few KiB
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: one line naming the key."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of inference depends on, checked once where it is built."""
+
+    name: str
+    architecture: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool
+    max_positions: int | None
+    raw: dict  # the config as given, passed to transformers unchanged
+
+    def parameter_count(self) -> int:
+        """Parameters of the model transformers builds from this config (tied ones once)."""
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.attention_bias else 0
+        if self.model_type == "llama" and self.attention_bias:
+            bias += self.hidden  # llama's attention_bias also puts a bias on o_proj
+        mlp = 3 * self.hidden * self.intermediate
+        per_layer = q + kv + o + bias + mlp + 2 * self.hidden  # two RMSNorm weights
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embeddings + self.hidden  # final norm
+
+    def parameter_bytes(self, dtype: str) -> int:
+        return self.parameter_count() * DTYPE_BYTES[dtype]
+
+    def kv_cache_bytes(self, batch: int, tokens: int, dtype: str) -> int:
+        """Keys and values of every layer for `tokens` positions."""
+        return 2 * self.layers * batch * self.kv_heads * tokens * self.head_dim * DTYPE_BYTES[dtype]
+
+    def describe(self) -> dict:
+        return {
+            "config_name": self.name, "architecture": self.architecture, "model_type": self.model_type,
+            "layers": self.layers, "hidden": self.hidden, "intermediate": self.intermediate,
+            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "vocab": self.vocab, "tied_embeddings": self.tied_embeddings,
+            "attention_bias": self.attention_bias, "max_positions": self.max_positions,
+            "parameter_count": self.parameter_count(),
+        }
+
+
+def bundled_names() -> list:
+    """Names of the configs shipped under data/models/."""
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+def _whole(raw: dict, key: str, low: int, high: int, default=None) -> int:
+    if key not in raw:
+        if default is None:
+            raise ConfigError(f"config lacks the required key {key!r}")
+        return default
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"config key {key!r} must be from {low} to {high}, got {value}")
+    return value
+
+
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def parse_config(raw, name: str) -> ModelShape:
+    """Check a config dict and return its shape; raise ConfigError naming the key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: a config.json must hold a JSON object")
+    for key in REQUIRED_KEYS:
+        if key not in raw:
+            raise ConfigError(f"config lacks the required key {key!r}")
+    model_type = raw["model_type"]
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"config key 'model_type' names an unsupported architecture {model_type!r}; "
+                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("quantization_config") is not None:
+        raise ConfigError("config key 'quantization_config': quantised weights are not covered")
+    hidden = _whole(raw, "hidden_size", 1, MAX_HIDDEN)
+    intermediate = _whole(raw, "intermediate_size", 1, MAX_INTERMEDIATE)
+    layers = _whole(raw, "num_hidden_layers", 1, MAX_LAYERS)
+    heads = _whole(raw, "num_attention_heads", 1, MAX_HEADS)
+    kv_heads = _whole(raw, "num_key_value_heads", 1, MAX_HEADS, default=heads)
+    vocab = _whole(raw, "vocab_size", 1, MAX_VOCAB)
+    if raw.get("head_dim") is None:
+        if hidden % heads:
+            raise ConfigError(f"config key 'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden})")
+        head_dim = hidden // heads
+    else:
+        head_dim = _whole(raw, "head_dim", 1, MAX_HEAD_DIM)
+    if heads % kv_heads:
+        raise ConfigError(f"config key 'num_key_value_heads' ({kv_heads}) must divide "
+                          f"'num_attention_heads' ({heads})")
+    if head_dim % 2:
+        raise ConfigError(f"config key 'head_dim' must be even for rotary embeddings, got {head_dim}")
+    max_positions = raw.get("max_position_embeddings")
+    if max_positions is not None:
+        max_positions = _whole(raw, "max_position_embeddings", 1, 2**31 - 1)
+    tied = _flag(raw, "tie_word_embeddings", False)  # the default of all three config classes
+    if model_type == "qwen2":
+        bias = True  # qwen2's q, k and v projections always carry a bias
+        if _flag(raw, "use_sliding_window", False):
+            raise ConfigError("config key 'use_sliding_window': sliding-window attention is not covered")
+    else:
+        bias = _flag(raw, "attention_bias", False)
+    if _flag(raw, "mlp_bias", False):
+        raise ConfigError("config key 'mlp_bias': biased MLP projections are not covered")
+    if model_type == "mistral" and raw.get("sliding_window") is not None:
+        raise ConfigError("config key 'sliding_window': sliding-window attention is not covered (set it to null)")
+    for key in ("hidden_act",):
+        if raw.get(key, "silu") != "silu":
+            raise ConfigError(f"config key {key!r} must be 'silu', got {raw[key]!r}")
+    return ModelShape(name=name, architecture=SUPPORTED_ARCHITECTURES[model_type], model_type=model_type,
+                      hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
+                      kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, tied_embeddings=tied,
+                      attention_bias=bias, max_positions=max_positions, raw=dict(raw))
+
+
+def load_config(path_or_name: str) -> ModelShape:
+    """Read a config.json path, or a bundled config NAME, and check it."""
+    text = str(path_or_name)
+    path = Path(text)
+    if not text.endswith(".json") and not path.exists():
+        if text not in bundled_names():
+            raise ConfigError(f"--config {text!r} is neither a file nor a bundled config "
+                              f"({', '.join(bundled_names())})")
+        path, name = MODELS_DIR / f"{text}.json", text
+    else:
+        name = path.stem
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path.name}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ConfigError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path.name}: {type(exc).__name__}") from None
+    except ValueError as exc:
+        raise ConfigError(f"config {path.name} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path.name} must hold a JSON object")
+    _check_finite(data, path.name)
+    return parse_config(data, name)
+
+
+def _check_finite(data: dict, name: str) -> None:
+    for key, value in data.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} in {name} is not a finite number")

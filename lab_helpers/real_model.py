@@ -1,0 +1,767 @@
+"""Memory of transformers inference, phase by phase: predicted on any machine, measured on a GPU.
+
+    python -m lab_helpers.real_model predict --config llama-3.1-8b --dtype bfloat16 --batch 1 --context 4096 --new-tokens 64
+    python -m lab_helpers.real_model measure --config llama-3.1-8b ... --device cuda:0 --output m.json
+    python -m lab_helpers.real_model compare m.json
+    python -m lab_helpers.real_model fit --config llama-3.1-8b --gpu h200-sxm --dtype bfloat16 --batch 1 --new-tokens 64
+
+`predict` and `measure` run the same code (`run_protocol`): on the GPU it is measured
+with the allocator's own counters, on PyTorch's meta device it is traced op by op
+(lab_helpers.alloc_trace) and every allocation is replayed through mesure_memoire's
+model of the caching allocator.
+"""
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+# >>> library only
+from lab_helpers.calcul_forfaits import ForfaitError, load_card
+from lab_helpers.mesure_memoire import AllocatorModel, LabError, environment, parse_device, write_new_json
+from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
+                                      parse_config)
+# <<< library only
+
+SCHEMA_VERSION = 1
+PHASE_NAMES = ("model_load", "inputs", "prefill", "decode")
+COUNTER_KEYS = ("baseline_allocated_bytes", "baseline_reserved_bytes", "end_allocated_bytes",
+                "end_reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+# Absurd requests are refused before any work.
+MAX_BATCH = 65536
+MAX_CONTEXT = 2**22
+MAX_NEW_TOKENS = 4096
+MAX_TOKENS = 2**26  # batch x (context + new tokens)
+EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3
+CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers 5.17.0 on an NVIDIA H200 "
+               "(compute capability 9.0): cuBLAS and cuBLASLt workspaces, cuDNN attention, argmax staging")
+ASSUMPTIONS = ("a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the library's default "
+               "attention (SDPA) and cache (DynamicCache); free blocks of equal size taken in the order their "
+               "segments were made; reserved without a cache flush unless a capacity is given")
+# the repository root: lab_helpers/.. for the module, notebooks/.. in a notebook
+_REPOSITORY = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent
+TARIFFS = _REPOSITORY / "data" / "tarifs-forfaits.csv"
+
+
+class RunError(Exception):
+    """A bad request or precondition: one line, exit code 2."""
+
+
+class PhaseFailure(Exception):
+    """Out of memory or another CUDA error during a measured phase: exit code 3."""
+
+    def __init__(self, phase, exc):
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
+        self.phase = phase
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One inference run: a model config, dtype, sizes and the decode recording."""
+
+    config_name: str
+    dtype: str = "bfloat16"
+    batch: int = 1
+    context: int = 128
+    new_tokens: int = 8
+    device: str = "cuda:0"
+    seed: int = 0
+    decode_record_every: int = 1
+
+    def checked(self) -> "RunSpec":
+        """Raise RunError on a bad value; return self."""
+        if self.dtype not in DTYPE_BYTES:
+            raise RunError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        for name, high in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("new_tokens", MAX_NEW_TOKENS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise RunError(f"--{name.replace('_', '-')} must be a whole number from 1 to {high}, got {value!r}")
+        if self.batch * (self.context + self.new_tokens) > MAX_TOKENS:
+            raise RunError(f"batch x (context + new tokens) must be at most {MAX_TOKENS}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise RunError(f"--seed must be a whole number >= 0, got {self.seed!r}")
+        if not isinstance(self.decode_record_every, int) or self.decode_record_every < 1:
+            raise RunError(f"--decode-record-every must be a whole number >= 1, got {self.decode_record_every!r}")
+        return self
+
+
+def recorded_steps(new_tokens: int, every: int) -> list:
+    """Decode steps (0-based) that get a record: every `every`-th one, and the last.
+
+    `new_tokens` N is N decode steps after the prefill (whose greedy token feeds step 0)."""
+    steps = [s for s in range(new_tokens) if s % every == 0]
+    if new_tokens - 1 not in steps:
+        steps.append(new_tokens - 1)
+    return steps
+
+
+def load_shape(config: str) -> ModelShape:
+    try:
+        return load_config(config)
+    except ConfigError as exc:
+        raise RunError(str(exc)) from None
+
+
+def _hf_config(shape: ModelShape):
+    from transformers import AutoConfig
+    raw = {k: v for k, v in shape.raw.items() if k not in ("model_type", "architectures", "auto_map",
+                                                           "torch_dtype", "dtype", "transformers_version")}
+    config = AutoConfig.for_model(shape.model_type, **raw)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _import_model_code(hf_config) -> None:
+    """Import everything building the model imports, outside any phase.
+
+    transformers imports some modules lazily on the first build; one of them (torchaudio's
+    kaldi helpers, where installed) makes a tensor at import time, which under the
+    build's device context would land on the GPU and open a 2 MiB segment."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    tiny = copy.deepcopy(hf_config)
+    tiny.num_hidden_layers = 1
+    if getattr(tiny, "layer_types", None):
+        tiny.layer_types = tiny.layer_types[:1]
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
+
+
+@contextlib.contextmanager
+def _weight_init_on_meta(device):
+    """On meta, make transformers run its weight init as it does on a GPU.
+
+    transformers skips the init when the build's device is meta. On a GPU each
+    sub-model's init runs at the end of its constructor (before the LM head exists), and
+    the rotary-frequency recomputation there allocates temporaries; the init's in-place
+    fills are no-ops on meta, so running it traces exactly the GPU's requests."""
+    if device.type != "meta":
+        yield
+        return
+    import torch
+    import transformers.modeling_utils as modeling_utils
+    # transformers' own check (a module-level function of 5.17) decides whether to skip the init
+    original = modeling_utils.get_torch_context_manager_or_global_device
+    modeling_utils.get_torch_context_manager_or_global_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        modeling_utils.get_torch_context_manager_or_global_device = original
+
+
+def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) -> None:
+    """Build, feed, prefill and decode; `phase(name, action, index, recorded)` runs each step.
+
+    The same function runs on a GPU (measured) and on the meta device (traced), so the
+    order in which tensors are made and dropped is the same in both. With `model` (an
+    already built one), the model_load phase is skipped."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    hf_config = _hf_config(shape)
+    dtype = getattr(torch, spec.dtype)
+    state = {}
+    if model is None:
+        _import_model_code(hf_config)
+
+    def load_model():
+        torch.manual_seed(spec.seed)
+        with torch.device(device), _weight_init_on_meta(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        state["model"] = model.eval()
+        return state["model"]
+
+    def make_inputs():
+        if device.type == "meta":
+            ids = torch.randint(0, shape.vocab, (spec.batch, spec.context), device=device)
+        else:
+            generator = torch.Generator(device=device).manual_seed(spec.seed)
+            ids = torch.randint(0, shape.vocab, (spec.batch, spec.context), device=device, generator=generator)
+        state["ids"] = ids
+
+    def prefill():
+        cache = DynamicCache(config=hf_config)
+        out = state["model"](input_ids=state["ids"], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        state["cache"] = cache
+
+    def decode_step():
+        out = state["model"](input_ids=state["next"], past_key_values=state["cache"], use_cache=True,
+                             logits_to_keep=1)
+        state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+    if model is None:
+        phase("model_load", load_model, None, True)
+    else:
+        state["model"] = model
+    phase("inputs", make_inputs, None, True)
+    with torch.inference_mode():
+        phase("prefill", prefill, None, True)
+        recorded = set(recorded_steps(spec.new_tokens, spec.decode_record_every))
+        for step in range(spec.new_tokens):
+            phase("decode", decode_step, step, step in recorded)
+    state.clear()
+
+
+def model_description(shape: ModelShape, dtype: str) -> dict:
+    import transformers
+    info = shape.describe()
+    info["parameter_bytes"] = shape.parameter_bytes(dtype)
+    info["transformers_version"] = transformers.__version__
+    info["config"] = shape.raw  # so that a measurement file can be predicted again on its own
+    return info
+
+
+# ----------------------------------------------------------------- measure
+def _check_cuda(torch, spec: RunSpec):
+    try:
+        index = parse_device(spec.device)
+    except LabError as exc:
+        raise RunError(str(exc)) from None
+    if not torch.cuda.is_available():
+        raise RunError("no CUDA device is available to torch; measure never falls back to the CPU")
+    if index >= torch.cuda.device_count():
+        raise RunError(f"{spec.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+    if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise RunError(f"bfloat16 is not supported on {spec.device}")
+    return torch.device(spec.device)
+
+
+def measure(shape: ModelShape, spec: RunSpec) -> dict:
+    """Measure every phase on the GPU and return the measurement document."""
+    spec.checked()
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except Exception as exc:
+        raise RunError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+    device = _check_cuda(torch, spec)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    env = environment(spec.device)
+    phases = []
+
+    def phase(name, action, index, recorded):
+        if not recorded:
+            try:
+                action()
+            except RuntimeError as exc:
+                raise PhaseFailure(f"{name} {index}", exc) from None
+            return
+        torch.cuda.synchronize(device)
+        baseline_allocated = torch.cuda.memory_allocated(device)
+        baseline_reserved = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        try:
+            started = time.perf_counter()
+            start.record()
+            action()
+            end.record()
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+            device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
+        except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
+            raise PhaseFailure(name if index is None else f"{name} {index}", exc) from None
+        stats = torch.cuda.memory_stats(device)
+        phases.append({
+            "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
+            "seconds": seconds, "device_seconds": device_seconds,
+            "baseline_allocated_bytes": baseline_allocated, "baseline_reserved_bytes": baseline_reserved,
+            "end_allocated_bytes": stats["allocated_bytes.all.current"],
+            "end_reserved_bytes": stats["reserved_bytes.all.current"],
+            "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+            "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+        })
+
+    run_protocol(shape, spec, device, phase)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "iteragpu-lab measurement",
+        "environment": env,
+        "configuration": {"kind": "transformers", **asdict(spec)},
+        "model": model_description(shape, spec.dtype),
+        "phases": phases,
+    }
+
+
+# ----------------------------------------------------------------- predict
+def _tracing():
+    """lab_helpers.alloc_trace, imported on first use because it imports torch; in a notebook,
+    where an earlier cell defined its names, the notebook's namespace."""
+    import importlib
+    try:
+        return importlib.import_module("lab_helpers.alloc_trace")
+    except ImportError:
+        return sys.modules["__main__"]
+
+
+def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None) -> dict:
+    """Trace the model_load phase once; predictions of other sizes start from a copy of it."""
+    import torch
+    AllocationTracer = _tracing().AllocationTracer
+    CappedAllocator = _tracing().CappedAllocator
+    tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
+    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes}
+
+    def phase(name, action, index, recorded):
+        with tracer:
+            loaded["model"] = action()
+        tracer.collect(settled=True)
+        alloc = tracer.allocator
+        loaded["record"] = {
+            "phase": name, "index": index, "passes": 0,
+            "baseline_allocated_bytes": 0, "baseline_reserved_bytes": 0,
+            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
+            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+        }
+        raise _Loaded()
+
+    spec = RunSpec(shape.name, dtype=dtype).checked()
+    hf_config = _hf_config(shape)
+    _import_model_code(hf_config)
+    try:
+        run_protocol(shape, spec, torch.device("meta"), phase)
+    except _Loaded:
+        pass
+    tracer.settle()
+    # the weights live as long as the model: their blocks stay allocated in the copies
+    loaded["weights_bytes"] = sum(block.size for _, block, _ in tracer.settled.values())
+    loaded["allocator"] = tracer.allocator
+    return loaded
+
+
+class _Loaded(Exception):
+    """Stops run_protocol once the model is built."""
+
+
+def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) -> dict:
+    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device."""
+    spec.checked()
+    import copy
+
+    import torch
+    AllocationTracer = _tracing().AllocationTracer
+    if loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes:
+        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes)
+    tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
+    alloc = tracer.allocator
+    phases = [dict(loaded["record"])]
+    totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
+              "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
+
+    def phase(name, action, index, recorded):
+        tracer.collect()
+        base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        alloc.reset_peaks()
+        with tracer:
+            action()
+        tracer.collect()
+        totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
+        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
+        if recorded:
+            phases.append({
+                "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
+                "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
+                "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
+                "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+            })
+
+    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"])
+    prediction = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "iteragpu-lab prediction",
+        "configuration": {"kind": "transformers", **asdict(spec)},
+        "model": model_description(shape, spec.dtype),
+        "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
+        "assumptions": ASSUMPTIONS,
+        "overall": totals,
+        "phases": phases,
+    }
+    _where_the_bytes_go(prediction, shape, spec, loaded["weights_bytes"], tracer.workspace_bytes)
+    return prediction
+
+
+def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str) -> int:
+    """Allocated bytes of DynamicCache's keys and values: one tensor each per layer."""
+    one = batch * shape.kv_heads * positions * shape.head_dim * DTYPE_BYTES[dtype]
+    return 2 * shape.layers * AllocatorModel.round_size(one) if positions else 0
+
+
+def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weights: int, workspace: int) -> None:
+    """Add to each predicted phase what its allocated bytes are made of."""
+    for record in prediction["phases"]:
+        if record["phase"] in ("model_load", "inputs"):
+            positions = 0
+        elif record["phase"] == "prefill":
+            positions = spec.context
+        else:
+            positions = spec.context + record["index"] + 1
+        kv = _kv_cache_bytes(shape, spec.batch, positions, spec.dtype)
+        held_workspace = workspace if record["phase"] in ("prefill", "decode") else 0
+        record["bytes_at_end"] = {
+            "weights_bytes": weights,
+            "kv_cache_bytes": kv,
+            "workspace_bytes": held_workspace,
+            "other_bytes": record["end_allocated_bytes"] - weights - kv - held_workspace,
+        }
+        # alive at the phase's peak and gone by its end: activations, logits, kernel scratch
+        record["transient_peak_bytes"] = record["peak_allocated_bytes"] - record["end_allocated_bytes"]
+
+
+# ----------------------------------------------------------------- compare
+def compare(measurement: dict) -> dict:
+    """A measurement beside its prediction, phase by phase; differences are measured - predicted."""
+    try:
+        configuration = dict(measurement["configuration"])
+        if configuration.pop("kind") != "transformers":
+            raise KeyError("kind")
+        spec = RunSpec(**configuration).checked()
+        shape = parse_config(measurement["model"]["config"], spec.config_name)
+        measured = measurement["phases"]
+        [[m[k] for k in COUNTER_KEYS] for m in measured]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RunError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
+    prediction = predict(shape, spec)
+    predicted = prediction["phases"]
+    if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
+        raise RunError("the measurement's phases differ from the prediction's: not the same protocol")
+    rows = []
+    for got, want in zip(measured, predicted):
+        row = {"phase": got["phase"], "index": got["index"]}
+        for key in COUNTER_KEYS:
+            row[f"measured_{key}"] = got[key]
+            row[f"predicted_{key}"] = want[key]
+            row[f"difference_{key}"] = got[key] - want[key]
+        rows.append(row)
+
+    def worst(counter):
+        return max((abs(r[f"difference_{counter}"]) / r[f"measured_{counter}"] for r in rows
+                    if r[f"measured_{counter}"]), default=0.0)
+
+    measured_env = measurement.get("environment") or {}
+    return {
+        "config_name": spec.config_name,
+        "measured_on": {k: measured_env.get(k) for k in ("device_name", "torch_version", "cuda_build_version")},
+        "measured_transformers_version": measurement["model"].get("transformers_version"),
+        "predicted_transformers_version": prediction["model"]["transformers_version"],
+        "allocated_exact": all(r[f"difference_{k}"] == 0 for r in rows for k in COUNTER_KEYS if "allocated" in k and "peak" not in k),
+        "peak_allocated_worst_relative": worst("peak_allocated_bytes"),
+        "peak_reserved_worst_relative": worst("peak_reserved_bytes"),
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------- fit
+USABLE_PROBE = r"""
+import json, torch
+torch.cuda.set_device(DEVICE)
+torch.cuda.init()
+# what a measuring process holds outside the allocator once its libraries are loaded
+x = torch.ones(64, 64, device=DEVICE, dtype=torch.bfloat16)
+torch.nn.functional.linear(x, x, x[0]) @ x
+q = torch.ones(1, 2, 64, 64, device=DEVICE, dtype=torch.bfloat16)
+torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+x.argmax(-1)
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+held = torch.cuda.memory_reserved(DEVICE)
+step = 2 * 2**20
+low, high = 0, torch.cuda.mem_get_info(DEVICE)[0] // step + 1
+while high - low > 1:
+    middle = (low + high) // 2
+    try:
+        block = torch.empty(middle * step, dtype=torch.uint8, device=DEVICE)
+        del block
+        low = middle
+    except torch.OutOfMemoryError:
+        high = middle
+    torch.cuda.empty_cache()
+print(json.dumps({"usable_memory_bytes": held + low * step}))
+"""
+# Measured with the probe above on 2026-11-29 (`fit` runs it itself when a GPU is visible
+# and no budget is given).
+MEASURED_USABLE = {
+    "h200-sxm": (149380136960, "NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130"),
+}
+
+
+def usable_memory_bytes(device: str = "cuda:0") -> int:
+    """The largest reserved a fresh measuring process can reach on `device`, found in a child process."""
+    import subprocess
+    try:
+        index = parse_device(device)
+    except LabError as exc:
+        raise RunError(str(exc)) from None
+    code = USABLE_PROBE.replace("DEVICE", repr(f"cuda:{index}"))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RunError("the usable-memory probe did not finish in 300 s") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise RunError(f"no GPU visible to measure the usable memory ({last}); give --gpu or --memory-bytes")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["usable_memory_bytes"]
+
+
+def gpu_budget(gpu: str, tariffs=None) -> tuple:
+    """(bytes, source) of a rate-card GPU: the measured usable figure where the lab has one,
+    else the vendor's "GB" figure read as 10^9 bytes (an upper bound: the CUDA context and
+    the libraries take some of it)."""
+    if gpu in MEASURED_USABLE:
+        value, where = MEASURED_USABLE[gpu]
+        return value, f"measured usable memory of a fresh measuring process ({where})"
+    try:
+        rows = load_card(tariffs or TARIFFS)
+    except ForfaitError as exc:
+        raise RunError(str(exc)) from None
+    found = [row for row in rows if row["model_id"] == gpu]
+    if not found:
+        raise RunError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+    gb = found[0]["memory_per_gpu_gib"]
+    return gb * 10**9, (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
+                        f"the CUDA context and libraries take part of it")
+
+
+def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
+    OutOfMemory = _tracing().OutOfMemory
+    try:
+        prediction = predict(shape, spec, capacity_bytes=budget, loaded=loaded)
+    except OutOfMemory:
+        return {"fits": False}
+    return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
+            "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
+
+
+def _largest(fits, high: int) -> int:
+    """Largest v in [1, high] with fits(v), assuming fits is monotone; 0 if none."""
+    if not fits(1):
+        return 0
+    low = 1
+    probe = 2
+    while probe <= high and fits(probe):
+        low, probe = probe, probe * 2
+    top = min(probe, high + 1)  # fits(top) is False, or top is beyond the bound
+    while top - low > 1:
+        middle = (low + top) // 2
+        if fits(middle):
+            low = middle
+        else:
+            top = middle
+    return low
+
+
+def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
+        batch=None, context=None, progress=None) -> dict:
+    """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`."""
+    if batch is None and context is None:
+        raise RunError("give --batch, --context or both")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise RunError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+    base = RunSpec(shape.name, dtype=dtype, batch=batch or 1, context=context or 1, new_tokens=new_tokens,
+                   decode_record_every=new_tokens).checked()
+    context_limit = MAX_CONTEXT - new_tokens
+    if shape.max_positions:
+        context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
+    cache = {}
+    OutOfMemory = _tracing().OutOfMemory
+    try:
+        loaded = load_for_prediction(shape, dtype, budget_bytes)
+    except OutOfMemory:
+        loaded = None  # the weights alone do not fit
+
+    def fits(b, t):
+        if (b, t) not in cache:
+            if loaded is None or b * (t + new_tokens) > MAX_TOKENS:
+                cache[(b, t)] = {"fits": False}
+            else:
+                cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
+            if progress:
+                progress(b, t, cache[(b, t)]["fits"])
+        return cache[(b, t)]["fits"]
+
+    result = {
+        "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
+        "budget_bytes": budget_bytes, "budget_source": budget_source,
+        "criterion": ("the run fits when the replayed allocator never needs more than the budget, "
+                      "after releasing its wholly free cached segments as PyTorch does before an "
+                      "out-of-memory error; peak reserved is then at most the budget"),
+    }
+    if batch is not None and context is not None:
+        point = ({"fits": False} if loaded is None else
+                 _fits(shape, replace(base, batch=batch, context=context), budget_bytes, loaded))
+        result.update({"batch": batch, "context": context, "fits": point["fits"],
+                       "peak_reserved_bytes": point.get("peak_reserved_bytes"),
+                       "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
+    if batch is not None:
+        result["largest_context_at_batch"] = _largest(lambda t: fits(batch, t), context_limit)
+        result["context_bound"] = context_limit
+    if context is not None:
+        if context > context_limit:
+            raise RunError(f"--context {context} is beyond the model's {shape.max_positions} positions "
+                           f"minus {new_tokens} new tokens")
+        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), min(MAX_BATCH, MAX_TOKENS // (context + new_tokens)))
+    result["weights_fit"] = loaded is not None
+    result["predictions_run"] = len(cache)
+    return result
+
+
+# --------------------------------------------------------------------- CLI
+def _whole_number(low: int, high: int):
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()):
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line and exit code 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _run_flags(parser, sizes_required=True) -> None:
+    parser.add_argument("--config", required=True, metavar="PATH|NAME",
+                        help=f"a Hugging Face config.json, or a bundled config: {', '.join(bundled_names())}")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
+                        help="weights and activations dtype (default bfloat16)")
+    parser.add_argument("--batch", type=_whole_number(1, MAX_BATCH), required=sizes_required, default=None,
+                        help="sequences decoded together")
+    parser.add_argument("--context", type=_whole_number(1, MAX_CONTEXT), required=sizes_required, default=None,
+                        help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=_whole_number(1, MAX_NEW_TOKENS), required=True,
+                        help="decode steps after the prefill, one greedy token each")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: one sub-parser per command."""
+    parser = _Parser(prog="real_model", description=(
+        "Allocator-exact memory of transformers inference from a config.json: predict on any machine, "
+        "measure on a GPU, compare, and find what fits."))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    every = "record every K-th decode step and the last (default 1: every step)"
+    p = sub.add_parser("predict", help="per-phase allocated and reserved bytes, no GPU needed")
+    _run_flags(p)
+    p.add_argument("--decode-record-every", type=_whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
+    p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
+    p = sub.add_parser("measure", help="measure every phase on a CUDA GPU (never the CPU)")
+    _run_flags(p)
+    p.add_argument("--decode-record-every", type=_whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
+    p.add_argument("--device", default="cuda:0", help="an explicit cuda:N (default cuda:0)")
+    p.add_argument("--seed", type=_whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
+    p.add_argument("--output", required=True, help="new JSON file, created after the last phase; never overwritten")
+    p = sub.add_parser("compare", help="a measurement file beside its prediction, phase by phase")
+    p.add_argument("measurement", help="a JSON file written by measure")
+    p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
+    p = sub.add_parser("fit", help="does it fit a GPU, and the largest batch and context that do")
+    _run_flags(p, sizes_required=False)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
+    budget.add_argument("--memory-bytes", type=_whole_number(1, 2**50), metavar="N", help="the budget in bytes")
+    p.add_argument("--device", default="cuda:0", help="without --gpu or --memory-bytes: the GPU whose usable memory is measured (default cuda:0)")
+    p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
+    return parser
+
+
+def _table(rows: list, columns: list) -> str:
+    text = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in text)) if text else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(t, widths)) for t in text]
+    return "\n".join(lines)
+
+
+def format_table(command: str, result: dict) -> str:
+    """The result as text for people."""
+    if command == "predict":
+        head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
+                f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
+        rows = [{**r, **r["bytes_at_end"]} for r in result["phases"]]
+        return head + _table(rows, ["phase", "index", "end_allocated_bytes", "peak_allocated_bytes",
+                                    "end_reserved_bytes", "peak_reserved_bytes", "weights_bytes",
+                                    "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
+    if command == "compare":
+        cols = ["phase", "index"] + [f"difference_{k}" for k in COUNTER_KEYS]
+        return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
+                + _table(result["rows"], cols))
+    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
+    if "fits" in result:
+        lines.append(f"batch {result['batch']} x context {result['context']}: "
+                     f"{'fits' if result['fits'] else 'does NOT fit'}"
+                     + (f", peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                        if result["fits"] else ""))
+    if "largest_context_at_batch" in result:
+        lines.append(f"largest context at batch {result.get('batch')}: {result['largest_context_at_batch']}")
+    if "largest_batch_at_context" in result:
+        lines.append(f"largest batch at context {result.get('context')}: {result['largest_batch_at_context']}")
+    return "\n".join(lines)
+
+
+def run_command(args) -> dict:
+    """Execute one parsed command and return its JSON-ready result."""
+    if args.command == "compare":
+        try:
+            document = json.loads(Path(args.measurement).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise RunError(f"cannot read {Path(args.measurement).name}: {type(exc).__name__}") from None
+        if not isinstance(document, dict):
+            raise RunError(f"{Path(args.measurement).name} is not a measurement document")
+        return compare(document)
+    shape = load_shape(args.config)
+    if args.command == "fit":
+        if args.gpu:
+            budget, source = gpu_budget(args.gpu)
+        elif args.memory_bytes:
+            budget, source = args.memory_bytes, "given with --memory-bytes"
+        else:
+            budget = usable_memory_bytes(args.device)
+            source = f"usable memory of {args.device}, measured now in a fresh child process"
+        return fit(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context)
+    spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
+                   new_tokens=args.new_tokens, decode_record_every=args.decode_record_every,
+                   **({"device": args.device, "seed": args.seed} if args.command == "measure" else {})).checked()
+    if args.command == "predict":
+        return predict(shape, spec)
+    output = Path(args.output)
+    if output.exists():
+        raise RunError(f"{output.name} already exists; choose a new file name")
+    if not output.parent.is_dir():
+        raise RunError(f"the folder of {output.name} does not exist")
+    document = measure(shape, spec)
+    try:
+        write_new_json(output, document)
+    except LabError as exc:
+        raise RunError(str(exc)) from None
+    return {"output": str(output), "phases": len(document["phases"])}
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = run_command(args)
+    except RunError as exc:
+        print(f"real_model: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PhaseFailure as exc:
+        print(f"real_model: error: {exc}; no file written", file=sys.stderr)
+        return EXIT_PHASE
+    if getattr(args, "format", "json") == "table":
+        print(format_table(args.command, result))
+    else:
+        print(json.dumps(result, indent=2))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Real-model prediction on the CPU: configs, the tracer's bookkeeping, exact pinned
+predictions, the commands' errors, and a 70B-shaped prediction's time bound."""
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab_helpers import real_model
+from lab_helpers.alloc_trace import (DEFAULT_BEHAVIOUR, AllocationTracer, CappedAllocator, OutOfMemory,
+                                     argmax_staging_bytes)
+from lab_helpers.mesure_memoire import AllocatorModel
+from lab_helpers.model_config import ConfigError, bundled_names, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096}
+
+
+def run_main(capsys, *argv):
+    """Run the command in-process; return (exit code, stdout, stderr lines)."""
+    try:
+        code = real_model.main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+# ------------------------------------------------------------------ configs
+def test_bundled_configs_give_the_published_parameter_counts():
+    # counts of the real models whose config.json each file copies
+    expected = {"llama-3.1-8b": 8030261248, "llama-3.1-70b": 70553706496,
+                "qwen2.5-7b": 7615616512, "qwen1.5-0.5b": 463987712}
+    assert bundled_names() == sorted(expected)
+    for name, count in expected.items():
+        shape = load_config(name)
+        assert shape.parameter_count() == count
+        assert shape.parameter_bytes("bfloat16") == 2 * count
+    tied = load_config("qwen1.5-0.5b")
+    assert tied.tied_embeddings and tied.heads == tied.kv_heads == 16 and tied.head_dim == 64
+    assert load_config("llama-3.1-70b").kv_heads == 8 and not load_config("llama-3.1-8b").attention_bias
+    assert load_config("qwen2.5-7b").attention_bias
+
+
+def _with(**changes):
+    config = dict(TINY)
+    for key, value in changes.items():
+        if value is _DROP:
+            config.pop(key)
+        else:
+            config[key] = value
+    return json.dumps(config)
+
+
+_DROP = object()
+BAD_CONFIGS = [
+    ("not-json.json", "{\"model_type\": \"llama\",", "not JSON"),
+    ("array.json", "[1, 2]", "JSON object"),
+    ("empty.json", "", "not JSON"),
+    ("no-type.json", _with(model_type=_DROP), "'model_type'"),
+    ("no-hidden.json", _with(hidden_size=_DROP), "'hidden_size'"),
+    ("no-layers.json", _with(num_hidden_layers=_DROP), "'num_hidden_layers'"),
+    ("no-heads.json", _with(num_attention_heads=_DROP), "'num_attention_heads'"),
+    ("no-vocab.json", _with(vocab_size=_DROP), "'vocab_size'"),
+    ("no-mlp.json", _with(intermediate_size=_DROP), "'intermediate_size'"),
+    ("gpt2.json", _with(model_type="gpt2"), "'model_type'"),
+    ("heads-not-dividing.json", _with(num_attention_heads=5), "'num_attention_heads'"),
+    ("kv-not-dividing.json", _with(num_key_value_heads=3), "'num_key_value_heads'"),
+    ("hidden-string.json", _with(hidden_size="64"), "'hidden_size'"),
+    ("hidden-float.json", _with(hidden_size=64.0), "'hidden_size'"),
+    ("hidden-bool.json", _with(hidden_size=True), "'hidden_size'"),
+    ("hidden-zero.json", _with(hidden_size=0), "'hidden_size'"),
+    ("hidden-negative.json", _with(hidden_size=-64), "'hidden_size'"),
+    ("hidden-absurd.json", _with(hidden_size=2**40), "'hidden_size'"),
+    ("layers-absurd.json", _with(num_hidden_layers=10**9), "'num_hidden_layers'"),
+    ("vocab-absurd.json", _with(vocab_size=10**12), "'vocab_size'"),
+    ("quantised.json", _with(quantization_config={"bits": 4}), "'quantization_config'"),
+    ("tied-string.json", _with(tie_word_embeddings="yes"), "'tie_word_embeddings'"),
+    ("gelu.json", _with(hidden_act="gelu"), "'hidden_act'"),
+]
+
+
+@pytest.mark.parametrize("name,text,needle", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_a_bad_config_exits_2_with_one_line_naming_the_key(tmp_path, capsys, name, text, needle):
+    path = tmp_path / name
+    path.write_text(text)
+    started = time.perf_counter()
+    code, out, err = run_main(capsys, "predict", "--config", path, "--batch", 1, "--context", 8, "--new-tokens", 1)
+    assert time.perf_counter() - started < 1.0  # refused before any work
+    assert code == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("real_model: error: ") and needle in err[0]
+
+
+def test_a_missing_config_or_unknown_name_is_refused(tmp_path, capsys):
+    for config in (tmp_path / "absent.json", "llama-9"):
+        code, _, err = run_main(capsys, "predict", "--config", config, "--batch", 1, "--context", 8, "--new-tokens", 1)
+        assert code == 2 and len(err) == 1
+
+
+@pytest.mark.parametrize("flag,value", [("--batch", "0"), ("--batch", "-1"), ("--batch", "1.5"), ("--batch", "١"),
+                                        ("--batch", "99999999"), ("--context", "x"), ("--context", str(2**40)),
+                                        ("--new-tokens", "0"), ("--new-tokens", "100000"), ("--dtype", "int8"),
+                                        ("--decode-record-every", "0")])
+def test_bad_numbers_exit_2_with_one_line(capsys, flag, value):
+    argv = {"--config": "qwen1.5-0.5b", "--batch": "1", "--context": "8", "--new-tokens": "1", flag: value}
+    code, out, err = run_main(capsys, "predict", *[x for kv in argv.items() for x in kv])
+    assert code == 2 and out == "" and len(err) == 1 and flag in err[0]
+
+
+def test_too_many_tokens_in_all_is_refused_before_any_work(capsys):
+    code, _, err = run_main(capsys, "predict", "--config", "qwen1.5-0.5b", "--batch", 65536, "--context", 4096,
+                            "--new-tokens", 1)
+    assert code == 2 and len(err) == 1 and "batch x (context + new tokens)" in err[0]
+
+
+def test_recorded_steps_are_every_kth_and_the_last():
+    assert real_model.recorded_steps(1, 1) == [0]
+    assert real_model.recorded_steps(5, 1) == [0, 1, 2, 3, 4]
+    assert real_model.recorded_steps(10, 4) == [0, 4, 8, 9]
+    assert real_model.recorded_steps(9, 4) == [0, 4, 8]
+
+
+# ------------------------------------------------------------------- tracer
+def test_tracer_counts_new_storages_only_and_applies_releases_before_the_next_allocation():
+    alloc = AllocatorModel()
+    tracer = AllocationTracer(alloc)
+    with tracer:
+        a = torch.empty(1000, device="meta")  # 4000 bytes -> a 4096 block of a 2 MiB small segment
+        b = a + 1  # a new 4096 block
+        view = b.view(10, 100)  # a view: no memory
+        b.add_(1)  # in place: no memory
+        del a  # released at the next allocation, before it
+        c = torch.empty(3 * MIB, dtype=torch.uint8, device="meta")  # large pool: a 20 MiB segment
+    tracer.collect()
+    assert (alloc.allocated, alloc.reserved) == (4096 + 3 * MIB, 2 * MIB + 20 * MIB)
+    assert alloc.peak_allocated == 4096 + 3 * MIB  # not 8192 + 3 MiB: `a` went first
+    del b, view, c
+    tracer.collect()
+    assert (alloc.allocated, alloc.reserved) == (0, 22 * MIB)
+
+
+def test_tracer_adds_the_math_libraries_workspaces_once_after_the_first_products():
+    alloc = AllocatorModel()
+    tracer = AllocationTracer(alloc)
+    x = torch.empty(4, 8, device="meta")
+    w = torch.empty(8, 8, device="meta")
+    bias = torch.empty(8, device="meta")
+    with tracer:
+        y = torch.mm(x, w)  # 128 bytes -> 512, then cuBLAS's 32 MiB workspace
+        assert alloc.allocated == 512 + 32 * MIB
+        z = torch.addmm(bias, x, w)  # a biased product: cuBLASLt's 1 MiB workspace, once
+        assert alloc.allocated == 2 * 512 + 33 * MIB
+        u = torch.addmm(bias, x, w)
+        v = torch.mm(x, w)
+    assert alloc.allocated == 4 * 512 + 33 * MIB
+    assert tracer.workspace_bytes == 33 * MIB
+    del y, z, u, v
+
+
+def test_argmax_over_a_large_vocabulary_stages_partial_results():
+    # setReduceConfig by hand: 151936 values/row, 2 rows -> 19 blocks per row of 16-byte pairs
+    assert argmax_staging_bytes(2, 151936, 2, DEFAULT_BEHAVIOUR) == (608, 8)
+    assert argmax_staging_bytes(3, 151936, 4, DEFAULT_BEHAVIOUR) == (912, 12)
+    assert argmax_staging_bytes(2, 128256, 2, DEFAULT_BEHAVIOUR) == (0, 0)  # 251 values per thread
+    assert argmax_staging_bytes(16, 128256, 2, DEFAULT_BEHAVIOUR) == (0, 0)
+    alloc = AllocatorModel()
+    tracer = AllocationTracer(alloc)
+    logits = torch.empty(2, 151936, dtype=torch.bfloat16, device="meta")
+    with tracer:
+        token = logits.argmax(dim=-1)
+    assert alloc.allocated == 512  # the 16-byte result; staging 1024 + 512 came and went
+    assert alloc.peak_allocated == 512 + 1024 + 512
+    del token
+
+
+def test_attention_allocates_as_cudnn_does_in_half_precision():
+    alloc = AllocatorModel()
+    tracer = AllocationTracer(alloc)
+    q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
+    with tracer, torch.inference_mode():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.shape == (2, 4, 16, 64) and out.transpose(1, 2).is_contiguous()  # [B, L, H, D] in memory
+    tracer.collect()
+    assert alloc.allocated == 16384  # seed, offset and the 256-byte workspace were freed
+    assert alloc.peak_allocated == 512 + 512 + 16384 + 512
+
+
+def test_capped_allocator_releases_whole_free_segments_before_running_out():
+    alloc = CappedAllocator(100 * MIB)
+    first = alloc.malloc(60 * MIB)
+    alloc.free(first)  # cached: reserved stays
+    assert alloc.reserved == 60 * MIB
+    alloc.malloc(70 * MIB)  # 60 + 70 > 100: the free 60 MiB segment goes back first
+    assert (alloc.allocated, alloc.reserved) == (70 * MIB, 70 * MIB)
+    with pytest.raises(OutOfMemory):
+        alloc.malloc(40 * MIB)
+
+
+# -------------------------------------------------------------- predictions
+def test_qwen_prediction_is_pinned_to_the_byte():
+    shape = load_config("qwen1.5-0.5b")
+    prediction = real_model.predict(shape, real_model.RunSpec("qwen1.5-0.5b", batch=2, context=64, new_tokens=3))
+    got = [(r["phase"], r["index"], r["baseline_allocated_bytes"], r["end_allocated_bytes"],
+            r["peak_allocated_bytes"], r["end_reserved_bytes"], r["peak_reserved_bytes"]) for r in prediction["phases"]]
+    assert got == [
+        ("model_load", None, 0, 949996544, 1261161472, 1298137088, 1298137088),
+        ("inputs", None, 949996544, 949997568, 949997568, 1298137088, 1298137088),
+        ("prefill", None, 949997568, 997184000, 1000411648, 1314914304, 1314914304),
+        ("decode", 0, 997184000, 997380608, 997992448, 1314914304, 1314914304),
+        ("decode", 1, 997380608, 997577216, 998189056, 1314914304, 1314914304),
+        ("decode", 2, 997577216, 997773824, 998385664, 1314914304, 1314914304),
+    ]
+    prefill = prediction["phases"][2]["bytes_at_end"]
+    # tied embeddings: one 311164928-byte table; 24 layers x 2 x (2 x 16 x 64 x 64 x 2) bytes of cache
+    assert prefill["weights_bytes"] == 949996544 and prefill["kv_cache_bytes"] == 12582912
+    assert prefill["workspace_bytes"] == 33 * MIB
+    assert prediction["model"]["transformers_version"] == "5.17.0"
+
+
+def test_a_70b_prediction_runs_in_well_under_10_seconds_without_weights(tmp_path):
+    script = ("import resource, time, json; t = time.perf_counter();"
+              "from lab_helpers import real_model; from lab_helpers.model_config import load_config;"
+              "p = real_model.predict(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', batch=1, context=4096, new_tokens=2));"
+              "print(json.dumps({'seconds': time.perf_counter() - t, 'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
+              "'weights': p['phases'][0]['end_allocated_bytes']}))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["weights"] >= 141107412992  # 70553706496 parameters x 2 bytes, each tensor rounded
+    assert result["rss_kib"] < 2 * 2**20  # under 2 GiB: no weight was materialised
+    assert result["seconds"] < 10, result
+
+
+# ----------------------------------------------------------------- commands
+def tiny_config(tmp_path) -> Path:
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def test_predict_prints_json_and_a_table(tmp_path, capsys):
+    config = tiny_config(tmp_path)
+    code, out, _ = run_main(capsys, "predict", "--config", config, "--batch", 2, "--context", 16, "--new-tokens", 5,
+                            "--decode-record-every", 2)
+    assert code == 0
+    document = json.loads(out)
+    assert [(p["phase"], p["index"]) for p in document["phases"]] == [
+        ("model_load", None), ("inputs", None), ("prefill", None), ("decode", 0), ("decode", 2), ("decode", 4)]
+    assert document["configuration"] == {"kind": "transformers", "config_name": "tiny", "dtype": "bfloat16",
+                                         "batch": 2, "context": 16, "new_tokens": 5, "device": "cuda:0",
+                                         "seed": 0, "decode_record_every": 2}
+    for p in document["phases"]:
+        assert p["end_allocated_bytes"] <= p["end_reserved_bytes"] and p["peak_allocated_bytes"] <= p["peak_reserved_bytes"]
+    code, out, _ = run_main(capsys, "predict", "--config", config, "--batch", 2, "--context", 16, "--new-tokens", 1,
+                            "--format", "table")
+    assert code == 0 and "kv_cache_bytes" in out and "prefill" in out
+
+
+def test_measure_without_a_gpu_exits_2_and_writes_nothing(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    out = tmp_path / "m.json"
+    code, _, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), "--batch", 1, "--context", 8,
+                            "--new-tokens", 1, "--output", out)
+    assert code == 2 and len(err) == 1 and "no CUDA device" in err[0]
+    assert not out.exists()
+
+
+def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
+    shape = load_config(str(tiny_config(tmp_path)))
+    spec = real_model.RunSpec("tiny", batch=2, context=16, new_tokens=2)
+    prediction = real_model.predict(shape, spec)
+    measured = json.loads(json.dumps(prediction))
+    measured["kind"] = "iteragpu-lab measurement"
+    measured["phases"][2]["peak_allocated_bytes"] += 512
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(measured))
+    code, out, _ = run_main(capsys, "compare", path)
+    result = json.loads(out)
+    assert code == 0 and result["allocated_exact"] is True
+    assert [r["difference_peak_allocated_bytes"] for r in result["rows"]] == [0, 0, 512, 0, 0]
+    for bad in ("{", "[]", json.dumps({"configuration": {"kind": "synthetic"}})):
+        path.write_text(bad)
+        code, _, err = run_main(capsys, "compare", path)
+        assert code == 2 and len(err) == 1
+
+
+def test_fit_reports_the_largest_sizes_and_refuses_without_a_budget(tmp_path, capsys):
+    config = tiny_config(tmp_path)
+    shape = load_config(str(config))
+    one = real_model.predict(shape, real_model.RunSpec("tiny", batch=1, context=64, new_tokens=1))
+    budget = one["overall"]["peak_reserved_bytes"]  # exactly what batch 1 x context 64 needs
+    result = real_model.fit(shape, "bfloat16", 1, budget, "test", batch=1, context=64)
+    assert result["fits"] and result["headroom_bytes"] == 0
+    assert result["largest_context_at_batch"] >= 64 and result["largest_batch_at_context"] >= 1
+    bigger = real_model.fit(shape, "bfloat16", 1, 10 * budget, "test", batch=1)
+    assert bigger["largest_context_at_batch"] == 4095  # the config's 4096 positions minus the new token
+    assert real_model.fit(shape, "bfloat16", 1, 1024, "test", batch=1)["largest_context_at_batch"] == 0
+    code, _, err = run_main(capsys, "fit", "--config", config, "--new-tokens", 1, "--memory-bytes", 10**9)
+    assert code == 2 and "--batch, --context" in err[0]
+    if not torch.cuda.is_available():
+        code, _, err = run_main(capsys, "fit", "--config", config, "--batch", 1, "--new-tokens", 1)
+        assert code == 2 and len(err) == 1 and "--gpu or --memory-bytes" in err[0]
+    code, _, err = run_main(capsys, "fit", "--config", config, "--batch", 1, "--new-tokens", 1, "--gpu", "nope")
+    assert code == 2 and "valid choices" in err[0]
