@@ -8,6 +8,7 @@ estimate|environment|measure|predict|compare ...``) or as
 """
 import argparse
 import csv
+import functools
 import io
 import json
 import math
@@ -83,11 +84,39 @@ _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() and \d accept other
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
+
+
+def quiet_broken_pipe(main_function):
+    """Wrap a command's `main(argv=None) -> int` so that a reader closing its stdout early
+    (`iteragpu-memory predict ... | head -1`) ends it quietly with EXIT_BROKEN_PIPE instead of
+    a BrokenPipeError traceback. stdout is flushed inside the wrapper (after `--help` too), then
+    pointed at devnull, so Python's own flush at exit finds nothing left to write."""
+    @functools.wraps(main_function)
+    def main(argv=None) -> int:
+        try:
+            try:
+                return main_function(argv)
+            finally:  # argparse's --help leaves its text in the buffer and raises SystemExit
+                sys.stdout.flush()
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+                pass
+            return EXIT_BROKEN_PIPE
+    return main
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse that reports every usage error as one line `prog: error: msg` and exit code 2."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        # a subcommand's parser is named "prog sub": its errors start "prog: error:", as the
+        # command's other errors do
+        self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
 
 
 def _whole_problem(text, minimum, maximum):
@@ -300,9 +329,9 @@ def write_new_json(path, document) -> None:
     write_new_text(path, _json_text(document, display_path(path)))
 
 
-def replace_text(path, text: str) -> None:
-    """Replace `path` whole with `text` (temporary file in the same folder, then os.replace): for
-    files rewritten on purpose, never left half-written."""
+def replace_bytes(path, data: bytes) -> None:
+    """Replace `path` whole with `data` (temporary file in the same folder, then os.replace): for
+    files rewritten on purpose, never left half-written. The file gets the user's usual mode."""
     shown = display_path(path)
     folder, name = os.path.split(os.fspath(path))
     folder = folder or os.curdir
@@ -313,13 +342,18 @@ def replace_text(path, text: str) -> None:
     try:
         try:
             os.fchmod(fd, _file_mode())
-            _write_all(fd, text.encode("utf-8"))
+            _write_all(fd, bytes(data))
         finally:
             os.close(fd)
         os.replace(tmp, os.fspath(path))
     except OSError as exc:
         os.unlink(tmp)
         raise _output_error(shown, exc) from None
+
+
+def replace_text(path, text: str) -> None:
+    """Replace `path` whole with `text` (UTF-8); see replace_bytes."""
+    replace_bytes(path, text.encode("utf-8"))
 
 
 _CSV_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
@@ -1527,6 +1561,7 @@ def _command_list() -> str:
     return "\n".join(["usage: mesure_memoire COMMAND [--help]", "commands:", *lines])
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
