@@ -156,7 +156,7 @@ def write_new_plot(df, path, counter: str = "peak_allocated_bytes") -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The runs command's parser."""
     parser = CommandParser(prog="runs", description=__doc__.splitlines()[0],
-                           epilog="example:\n  python -m lab_helpers.runs mesures-h100.json mesures-h200.json "
+                           epilog="example:\n  iteragpu-runs mesures-h100.json mesures-h200.json "
                                   "--counter peak_reserved_bytes --csv runs.csv --plot runs.png",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="FILE",
