@@ -290,29 +290,29 @@ def folder_files(path: Path, problems: list) -> dict:
     return files
 
 
-def read_bounded(opener, limit: int) -> bytes:
-    """Return at most `limit` bytes read through `opener()`, in chunks of READ_CHUNK_BYTES."""
-    chunks, size = [], 0
+def _bounded_chunks(opener, limit: int):
+    """Yield the chunks (at most READ_CHUNK_BYTES each) of the first `limit` bytes of `opener()`."""
+    size = 0
     with opener() as handle:
         while size < limit:
             chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
             if not chunk:
-                break
-            chunks.append(chunk)
+                return
             size += len(chunk)
-    return b"".join(chunks)
+            yield chunk
+
+
+def read_bounded(opener, limit: int) -> bytes:
+    """Return at most `limit` bytes read through `opener()`, in chunks of READ_CHUNK_BYTES."""
+    return b"".join(_bounded_chunks(opener, limit))
 
 
 def digest_bounded(opener, limit: int) -> tuple:
     """Return (bytes read, sha256 hex) of at most `limit` bytes, never holding more than a chunk."""
     digest, size = hashlib.sha256(), 0
-    with opener() as handle:
-        while size < limit:
-            chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
-            if not chunk:
-                break
-            digest.update(chunk)
-            size += len(chunk)
+    for chunk in _bounded_chunks(opener, limit):
+        digest.update(chunk)
+        size += len(chunk)
     return size, digest.hexdigest()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lab_helpers import kit
+from test_hostile_forfaits import snapshot  # every path under a folder, to show nothing changed
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = kit.KIT_NAME + "/"
@@ -104,14 +105,6 @@ def manifest_entry(members: dict, name: str, **changes) -> dict:
 
 def raw_manifest(members: dict, data: bytes) -> dict:
     return {**members, PREFIX + kit.MANIFEST: data}
-
-
-def snapshot(folder: Path) -> dict:
-    state = {}
-    for path in sorted(folder.rglob("*")):
-        info = path.lstat()
-        state[path.relative_to(folder).as_posix()] = (info.st_mode, info.st_size, info.st_mtime_ns)
-    return state
 
 
 def run_kit(args, cwd: Path, limit=TIME_LIMIT_SECONDS):
