@@ -143,20 +143,28 @@ def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
     """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
     within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
     before conversion, so a huge string is refused at once."""
-    value, problem = _whole_problem(text, minimum, maximum)
+    return _checked(_whole_problem, text, name, minimum, maximum)
+
+
+def whole_number(minimum=None, maximum=None):
+    """Return an argparse `type=` callable that accepts what parse_whole accepts."""
+    return _argument_type(_whole_problem, minimum, maximum, "whole number")
+
+
+def _checked(problem_of, text, name, minimum, maximum):
+    value, problem = problem_of(text, minimum, maximum)
     if problem:
         raise LabError(f"{name} {problem}")
     return value
 
 
-def whole_number(minimum=None, maximum=None):
-    """Return an argparse `type=` callable that accepts what parse_whole accepts."""
+def _argument_type(problem_of, minimum, maximum, type_name):
     def convert(text):
-        value, problem = _whole_problem(text, minimum, maximum)
+        value, problem = problem_of(text, minimum, maximum)
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value
-    convert.__name__ = "whole number"
+    convert.__name__ = type_name  # argparse names a type that fails by its __name__
     return convert
 
 
@@ -180,21 +188,12 @@ def _decimal_problem(text, minimum, maximum):
 def parse_decimal(text, name: str, minimum=None, maximum=None) -> float:
     """Return the finite, non-negative number written in `text` (ASCII digits and one '.', no sign,
     no exponent, no nan/inf), within [minimum, maximum]; raise LabError naming `name` otherwise."""
-    value, problem = _decimal_problem(text, minimum, maximum)
-    if problem:
-        raise LabError(f"{name} {problem}")
-    return value
+    return _checked(_decimal_problem, text, name, minimum, maximum)
 
 
 def decimal_number(minimum=None, maximum=None):
     """Return an argparse `type=` callable that accepts what parse_decimal accepts."""
-    def convert(text):
-        value, problem = _decimal_problem(text, minimum, maximum)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-    convert.__name__ = "number"
-    return convert
+    return _argument_type(_decimal_problem, minimum, maximum, "number")
 
 
 def display_path(path) -> str:
