@@ -54,6 +54,7 @@ ILLUSTRATIVE_MARKER = "illustrative"
 MEMORY_TITLE = "memory/GPU (vendor GB)"
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 FORMATS = ("json", "table")
 # Extra significant digits for the Decimal division: enough that the quotient is never
 # rounded before the final rounding to a whole cent.
@@ -504,7 +505,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Print the forfait as JSON or a table (the card with --list); return the exit status."""
+    """Print the forfait as JSON or a table (the card with --list); return the exit status.
+    A reader that closes stdout early (`--list | head -1`) ends it quietly with exit 141."""
+    try:
+        try:
+            return _run(argv)
+        finally:  # argparse's --help leaves its text in the buffer and raises SystemExit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # standalone copy of mesure_memoire.quiet_broken_pipe: point stdout at devnull so that
+        # Python's flush at exit has nothing left to write
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.list and (args.gpu is None or args.days is None):

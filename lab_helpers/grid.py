@@ -22,7 +22,7 @@ from lab_helpers.calcul_forfaits import (
     is_illustrative, is_iso_date, load_card, printable, read_text_file, unit_cost_cents,
 )
 from lab_helpers.mesure_memoire import (
-    EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, parse_decimal, parse_whole,
+    EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, parse_decimal, parse_whole, quiet_broken_pipe,
     write_new_text,
 )
 # <<< library only
@@ -255,8 +255,7 @@ def report_csv(report: dict) -> str:
 
 def build_parser():
     """Return the command-line parser."""
-    parser = CommandParser(prog=f"python -m lab_helpers.{GRID_PROG}",
-                           description=__doc__.splitlines()[0])
+    parser = CommandParser(prog=GRID_PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{check,report}")
     for name, text in (("check", "validate a filled grid (types, units, model and duration, "
                                  "threshold); exit 2 naming file and line on a fault"),
@@ -277,6 +276,7 @@ def build_parser():
     return parser
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Run `check` or `report`; return the exit status."""
     parser = build_parser()

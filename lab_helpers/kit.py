@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import os
-import secrets
 import stat
 import sys
 import zipfile
@@ -16,7 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from lab_helpers.calcul_forfaits import printable
 from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CommandParser, LabError,
-                                        write_new_bytes)
+                                        quiet_broken_pipe, replace_bytes, write_new_bytes)
 from lab_helpers.notebook_strip import committed_form
 
 PROG = "kit"
@@ -41,7 +40,6 @@ MANIFEST_NOTE = "MANIFEST.json carries no fingerprint of itself; it lists the ei
 FORMAT_VERSION = 1
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 FILE_MODE = stat.S_IFREG | 0o644
-NEW_FILE_MODE = 0o666  # the kernel takes the umask off, as for any file the user creates
 # verify never reads more than a file's declared size + 1 byte, in chunks of this size, so
 # memory stays bounded whatever a member inflates to.
 READ_CHUNK_BYTES = 1024 * 1024
@@ -164,28 +162,6 @@ def _same_bytes(path: Path, data: bytes) -> bool:
         return handle.read(len(data) + 1) == data
 
 
-def _replace_whole(output: Path, data: bytes, shown: str) -> None:
-    """Replace `output` with `data` whole or not at all (--force): a temporary file beside it,
-    created with the user's mode, then renamed over it."""
-    tmp = output.with_name(f".{output.name[:100]}.{secrets.token_hex(8)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                     NEW_FILE_MODE)
-    except OSError as exc:
-        raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, output)
-    except OSError as exc:
-        raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
 def _relative_to_cwd(path) -> str:
     """Return `path` relative to the current folder, or as is where that is impossible."""
     try:
@@ -218,11 +194,13 @@ def build_kit(root: Path = ROOT, output: Path = None, force: bool = False) -> tu
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KitError(f"cannot write {shown} ({exc.strerror or exc})") from None
-    if os.path.lexists(output):  # only with --force, checked above
-        _replace_whole(output, data, shown)
-        return output, True
-    try:  # the lab's exclusive writer; a default output goes relative, as its errors show it
-        write_new_bytes(output if given else Path(_relative_to_cwd(output)), data)
+    # the lab's writers; a default output goes relative, as their errors show it
+    target = output if given else Path(_relative_to_cwd(output))
+    try:
+        if os.path.lexists(output):  # only with --force, checked above
+            replace_bytes(target, data)
+        else:
+            write_new_bytes(target, data)
     except LabError as exc:
         raise KitError(str(exc)) from None
     return output, True
@@ -312,29 +290,29 @@ def folder_files(path: Path, problems: list) -> dict:
     return files
 
 
-def read_bounded(opener, limit: int) -> bytes:
-    """Return at most `limit` bytes read through `opener()`, in chunks of READ_CHUNK_BYTES."""
-    chunks, size = [], 0
+def _bounded_chunks(opener, limit: int):
+    """Yield the chunks (at most READ_CHUNK_BYTES each) of the first `limit` bytes of `opener()`."""
+    size = 0
     with opener() as handle:
         while size < limit:
             chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
             if not chunk:
-                break
-            chunks.append(chunk)
+                return
             size += len(chunk)
-    return b"".join(chunks)
+            yield chunk
+
+
+def read_bounded(opener, limit: int) -> bytes:
+    """Return at most `limit` bytes read through `opener()`, in chunks of READ_CHUNK_BYTES."""
+    return b"".join(_bounded_chunks(opener, limit))
 
 
 def digest_bounded(opener, limit: int) -> tuple:
     """Return (bytes read, sha256 hex) of at most `limit` bytes, never holding more than a chunk."""
     digest, size = hashlib.sha256(), 0
-    with opener() as handle:
-        while size < limit:
-            chunk = handle.read(min(READ_CHUNK_BYTES, limit - size))
-            if not chunk:
-                break
-            digest.update(chunk)
-            size += len(chunk)
+    for chunk in _bounded_chunks(opener, limit):
+        digest.update(chunk)
+        size += len(chunk)
     return size, digest.hexdigest()
 
 
@@ -426,7 +404,7 @@ def check_files(files: dict, problems: list) -> list:
 
 def build_parser() -> CommandParser:
     """Return the command-line parser."""
-    parser = CommandParser(prog="python -m lab_helpers.kit", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog=PROG, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{build,verify}")
     build = commands.add_parser(
         "build", help="write the kit zip from the repo's own files",
@@ -447,6 +425,7 @@ def build_parser() -> CommandParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Run the `build` or `verify` subcommand; return the exit status."""
     parser = build_parser()
@@ -461,17 +440,19 @@ def main(argv=None) -> int:
             output, changed = build_kit(Path(args.root) if args.root else ROOT,
                                         Path(args.output) if given else None, args.force)
             data = output.read_bytes()
-            state = "wrote" if changed else "unchanged (identical bytes):"
-            print(f"{state} {_shown_path(output, given)} ({len(KIT_FILES)} files, "
-                  f"{len(data)} bytes, sha256 {sha256_hex(data)})")
-            return EXIT_OK
-        problems = verify_kit(args.path)
+        else:
+            problems = verify_kit(args.path)
     except KitError as exc:
         print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
         print(f"{PROG}: error: {exc.strerror or printable(exc)}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "build":  # printed outside the try: a closed stdout is no kit error
+        state = "wrote" if changed else "unchanged (identical bytes):"
+        print(f"{state} {_shown_path(output, given)} ({len(KIT_FILES)} files, "
+              f"{len(data)} bytes, sha256 {sha256_hex(data)})")
+        return EXIT_OK
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
     if problems:

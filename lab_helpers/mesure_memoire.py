@@ -8,6 +8,7 @@ estimate|environment|measure|predict|compare ...``) or as
 """
 import argparse
 import csv
+import functools
 import io
 import json
 import math
@@ -83,11 +84,39 @@ _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() and \d accept other
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
+
+
+def quiet_broken_pipe(main_function):
+    """Wrap a command's `main(argv=None) -> int` so that a reader closing its stdout early
+    (`iteragpu-memory predict ... | head -1`) ends it quietly with EXIT_BROKEN_PIPE instead of
+    a BrokenPipeError traceback. stdout is flushed inside the wrapper (after `--help` too), then
+    pointed at devnull, so Python's own flush at exit finds nothing left to write."""
+    @functools.wraps(main_function)
+    def main(argv=None) -> int:
+        try:
+            try:
+                return main_function(argv)
+            finally:  # argparse's --help leaves its text in the buffer and raises SystemExit
+                sys.stdout.flush()
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+                pass
+            return EXIT_BROKEN_PIPE
+    return main
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse that reports every usage error as one line `prog: error: msg` and exit code 2."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        # a subcommand's parser is named "prog sub": its errors start "prog: error:", as the
+        # command's other errors do
+        self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
 
 
 def _whole_problem(text, minimum, maximum):
@@ -114,20 +143,28 @@ def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
     """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
     within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
     before conversion, so a huge string is refused at once."""
-    value, problem = _whole_problem(text, minimum, maximum)
+    return _checked(_whole_problem, text, name, minimum, maximum)
+
+
+def whole_number(minimum=None, maximum=None):
+    """Return an argparse `type=` callable that accepts what parse_whole accepts."""
+    return _argument_type(_whole_problem, minimum, maximum, "whole number")
+
+
+def _checked(problem_of, text, name, minimum, maximum):
+    value, problem = problem_of(text, minimum, maximum)
     if problem:
         raise LabError(f"{name} {problem}")
     return value
 
 
-def whole_number(minimum=None, maximum=None):
-    """Return an argparse `type=` callable that accepts what parse_whole accepts."""
+def _argument_type(problem_of, minimum, maximum, type_name):
     def convert(text):
-        value, problem = _whole_problem(text, minimum, maximum)
+        value, problem = problem_of(text, minimum, maximum)
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value
-    convert.__name__ = "whole number"
+    convert.__name__ = type_name  # argparse names a type that fails by its __name__
     return convert
 
 
@@ -151,21 +188,12 @@ def _decimal_problem(text, minimum, maximum):
 def parse_decimal(text, name: str, minimum=None, maximum=None) -> float:
     """Return the finite, non-negative number written in `text` (ASCII digits and one '.', no sign,
     no exponent, no nan/inf), within [minimum, maximum]; raise LabError naming `name` otherwise."""
-    value, problem = _decimal_problem(text, minimum, maximum)
-    if problem:
-        raise LabError(f"{name} {problem}")
-    return value
+    return _checked(_decimal_problem, text, name, minimum, maximum)
 
 
 def decimal_number(minimum=None, maximum=None):
     """Return an argparse `type=` callable that accepts what parse_decimal accepts."""
-    def convert(text):
-        value, problem = _decimal_problem(text, minimum, maximum)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-    convert.__name__ = "number"
-    return convert
+    return _argument_type(_decimal_problem, minimum, maximum, "number")
 
 
 def display_path(path) -> str:
@@ -300,9 +328,9 @@ def write_new_json(path, document) -> None:
     write_new_text(path, _json_text(document, display_path(path)))
 
 
-def replace_text(path, text: str) -> None:
-    """Replace `path` whole with `text` (temporary file in the same folder, then os.replace): for
-    files rewritten on purpose, never left half-written."""
+def replace_bytes(path, data: bytes) -> None:
+    """Replace `path` whole with `data` (temporary file in the same folder, then os.replace): for
+    files rewritten on purpose, never left half-written. The file gets the user's usual mode."""
     shown = display_path(path)
     folder, name = os.path.split(os.fspath(path))
     folder = folder or os.curdir
@@ -313,13 +341,18 @@ def replace_text(path, text: str) -> None:
     try:
         try:
             os.fchmod(fd, _file_mode())
-            _write_all(fd, text.encode("utf-8"))
+            _write_all(fd, bytes(data))
         finally:
             os.close(fd)
         os.replace(tmp, os.fspath(path))
     except OSError as exc:
         os.unlink(tmp)
         raise _output_error(shown, exc) from None
+
+
+def replace_text(path, text: str) -> None:
+    """Replace `path` whole with `text` (UTF-8); see replace_bytes."""
+    replace_bytes(path, text.encode("utf-8"))
 
 
 _CSV_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
@@ -1527,6 +1560,7 @@ def _command_list() -> str:
     return "\n".join(["usage: mesure_memoire COMMAND [--help]", "commands:", *lines])
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -7,11 +7,13 @@ working copy while git, the tests and the kit see the clean form.
     python3 -m lab_helpers.notebook_strip < run.ipynb > clean.ipynb
     python3 -m lab_helpers.notebook_strip notebooks/forfaits.ipynb   # prints the clean form
 
-Standard library only: git runs it with whatever `python3` is on PATH, venv or not.
+Standard library only (mesure_memoire too imports nothing else): git runs it with whatever
+`python3` is on PATH, venv or not.
 """
-import argparse
 import json
 import sys
+
+from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, CommandParser, quiet_broken_pipe
 
 PROG = "notebook_strip"
 FILTER_NAME = "notebook-strip"
@@ -21,8 +23,6 @@ GENERATED_TAG_PREFIX = "generated-from:"
 VOLATILE_CELL_METADATA = ("collapsed", "scrolled", "execution", "ExecuteTime", "heading_collapsed")
 # Notebook metadata written by widgets and by whichever kernel ran last.
 VOLATILE_NOTEBOOK_METADATA = ("widgets", "signature")
-EXIT_OK = 0
-EXIT_USAGE = 2
 
 
 class StripError(ValueError):
@@ -99,13 +99,8 @@ def committed_form(data: bytes) -> bytes:
         return data
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"{PROG}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog=PROG,
         description="Print a notebook without outputs, execution counts or volatile metadata "
                     "(git's clean filter for *.ipynb).")
@@ -114,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     source = args.notebook or "standard input"

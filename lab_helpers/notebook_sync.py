@@ -7,7 +7,6 @@ notebook kernel runs as ``__main__``), under a banner naming the file to edit.
     python -m lab_helpers.notebook_sync          # rewrite stale cells
     python -m lab_helpers.notebook_sync --check  # exit 1 if any cell drifted
 """
-import argparse
 import ast
 import re
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 
+from lab_helpers.mesure_memoire import CommandParser, quiet_broken_pipe
 from lab_helpers.notebook_strip import GENERATED_TAG_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,6 +157,9 @@ def notebook_code_upto(notebook: str, source: str, root: Path = ROOT) -> str:
 
 def sync(root: Path = ROOT, check: bool = False, only=None) -> list:
     """Regenerate (or with check=True only compare) every cell; return the stale ones."""
+    unknown = sorted(set(only or ()) - set(NOTEBOOK_SOURCES))
+    if unknown:
+        raise ValueError(f"{unknown[0]} is not a generated notebook; choose from {', '.join(NOTEBOOK_SOURCES)}")
     stale = []
     for notebook, sources in NOTEBOOK_SOURCES.items():
         if only and notebook not in only:
@@ -185,8 +188,9 @@ def sync(root: Path = ROOT, check: bool = False, only=None) -> list:
     return stale
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="notebook_sync", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a generated cell differs from its module")
     parser.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
     try:
         stale = sync(check=args.check, only=args.notebooks)
     except (KeyError, ValueError, OSError) as exc:
-        print(f"notebook_sync: {exc}", file=sys.stderr)
+        print(f"notebook_sync: error: {exc}", file=sys.stderr)
         return 2
     for item in stale:
         print(("stale: " if args.check else "updated: ") + item)

@@ -13,7 +13,8 @@ pd = None  # pandas, imported on first use: reading and checking the files needs
 
 # >>> library only
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_USAGE, CommandParser, LabError, check_new_output, csv_text,
-                                        display_path, read_measurement, write_new_bytes, write_new_text)
+                                        display_path, quiet_broken_pipe, read_measurement, write_new_bytes,
+                                        write_new_text)
 # <<< library only
 
 ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")
@@ -155,7 +156,7 @@ def write_new_plot(df, path, counter: str = "peak_allocated_bytes") -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The runs command's parser."""
     parser = CommandParser(prog="runs", description=__doc__.splitlines()[0],
-                           epilog="example:\n  python -m lab_helpers.runs mesures-h100.json mesures-h200.json "
+                           epilog="example:\n  iteragpu-runs mesures-h100.json mesures-h200.json "
                                   "--counter peak_reserved_bytes --csv runs.csv --plot runs.png",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="FILE",
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     try:

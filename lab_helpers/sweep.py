@@ -30,7 +30,8 @@ from tqdm import tqdm
 from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_PHASE, EXIT_USAGE, GIB, MAX_BATCH,
                                         MAX_CONTEXT, MAX_HIDDEN, MAX_SEED, MAX_WIDTH, CommandParser, LabError,
                                         MeasureConfig, add_size_flags, csv_text, decimal_number, display_path,
-                                        predict, read_json_file, read_measurement, replace_text, whole_number)
+                                        predict, read_json_file, read_measurement, quiet_broken_pipe, replace_text,
+                                        whole_number)
 # <<< library only
 
 DIMENSIONS = ("batch", "context", "width", "hidden")
@@ -554,6 +555,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     try:

@@ -61,7 +61,7 @@ class CommandParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit code 2."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
 
 
 def write_new_bytes(path, data: bytes) -> None:

@@ -225,7 +225,7 @@ def test_bad_invocations_exit_2_on_one_line(calc_script, tmp_path, args, needles
     assert_one_line_error(run_cli(calc_script, *args, cwd=tmp_path), *needles)
 
 
-def _edit(line_number: int, column: str, value: str) -> str:
+def edited_card(line_number: int, column: str, value: str) -> str:
     """The shipped card with one field of one line (1-based) replaced."""
     lines = list(CARD_LINES)
     fields = lines[line_number - 1].split(",")
@@ -247,17 +247,17 @@ BAD_CARDS = {
     "header only": (CARD_LINES[0] + "\n", 1, "no price rows"),
     "duplicate model and days": ("\n".join([*CARD_LINES, CARD_LINES[5]]), 47, "duplicate"),
     "model lacks a duration": (_without(4), 2, "lacks the 30-day"),
-    "price with decimals": (_edit(3, "lot_price_cents", "1697.07"), 3, "lot_price_cents"),
-    "price zero": (_edit(3, "lot_price_cents", "0"), 3, "lot_price_cents"),
-    "price negative": (_edit(10, "lot_price_cents", "-5"), 10, "lot_price_cents"),
-    "price empty": (_edit(10, "lot_price_cents", ""), 10, "lot_price_cents"),
-    "gpu count zero": (_edit(2, "gpus_per_lot", "0"), 2, "gpus_per_lot"),
-    "gpu count words": (_edit(2, "gpus_per_lot", "two"), 2, "gpus_per_lot"),
-    "gpu count differs within a model": (_edit(3, "gpus_per_lot", "4"), 3, "gpus_per_lot"),
-    "currency EUR": (_edit(20, "currency", "EUR"), 20, "currency"),
-    "duration not offered": (_edit(4, "duration_days", "14"), 4, "duration_days"),
-    "bad snapshot date": (_edit(4, "snapshot_date", "24/09/2026"), 4, "snapshot_date"),
-    "model id not a slug": (_edit(5, "model_id", "H200 SXM"), 5, "model_id"),
+    "price with decimals": (edited_card(3, "lot_price_cents", "1697.07"), 3, "lot_price_cents"),
+    "price zero": (edited_card(3, "lot_price_cents", "0"), 3, "lot_price_cents"),
+    "price negative": (edited_card(10, "lot_price_cents", "-5"), 10, "lot_price_cents"),
+    "price empty": (edited_card(10, "lot_price_cents", ""), 10, "lot_price_cents"),
+    "gpu count zero": (edited_card(2, "gpus_per_lot", "0"), 2, "gpus_per_lot"),
+    "gpu count words": (edited_card(2, "gpus_per_lot", "two"), 2, "gpus_per_lot"),
+    "gpu count differs within a model": (edited_card(3, "gpus_per_lot", "4"), 3, "gpus_per_lot"),
+    "currency EUR": (edited_card(20, "currency", "EUR"), 20, "currency"),
+    "duration not offered": (edited_card(4, "duration_days", "14"), 4, "duration_days"),
+    "bad snapshot date": (edited_card(4, "snapshot_date", "24/09/2026"), 4, "snapshot_date"),
+    "model id not a slug": (edited_card(5, "model_id", "H200 SXM"), 5, "model_id"),
     "missing field": ("\n".join([*CARD_LINES[:6], CARD_LINES[6].rsplit(",", 1)[0], *CARD_LINES[7:]]),
                       7, "expected 9 fields"),
 }

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from test_forfaits import edited_card  # the shipped card with one field replaced
+
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "lab_helpers" / "calcul_forfaits.py"
 CARD = ROOT / "data" / "tarifs-forfaits.csv"
@@ -147,14 +149,6 @@ def test_bounds_themselves_are_accepted(calculator):
 
 # --- the rate card file --------------------------------------------------------------
 
-def _card_with(line: int, column: str, value: str) -> str:
-    lines = list(CARD_LINES)
-    fields = lines[line - 1].split(",")
-    fields[CARD_HEADER.index(column)] = value
-    lines[line - 1] = ",".join(fields)
-    return "\n".join(lines) + "\n"
-
-
 BAD_CARD_CELLS = {
     "price arabic-indic digits": (3, "lot_price_cents", "١٦٩٧٠٧"),
     "price padded": (3, "lot_price_cents", " 169707 "),
@@ -176,7 +170,7 @@ BAD_CARD_CELLS = {
 def test_calculator_refuses_bad_card_cells_naming_file_and_line(calculator, case):
     script, work = calculator
     line, column, value = BAD_CARD_CELLS[case]
-    (work / "card.csv").write_text(_card_with(line, column, value), encoding="utf-8")
+    (work / "card.csv").write_text(edited_card(line, column, value), encoding="utf-8")
     run_refused([script, "--gpu", "b200", "--days", "7", "--tariffs", "card.csv"], work,
                 "calcul_forfaits", f"card.csv, line {line}: ", column)
 
@@ -325,7 +319,7 @@ def test_grid_refuses_bad_grid_files(grid_folder, case):
 
 def test_grid_refuses_a_bad_card_too(grid_folder):
     (grid_folder / "g.csv").write_text(f"{GRID_HEADER}\n", encoding="utf-8")
-    (grid_folder / "card.csv").write_text(_card_with(3, "lot_price_cents", "١٢"), encoding="utf-8")
+    (grid_folder / "card.csv").write_text(edited_card(3, "lot_price_cents", "١٢"), encoding="utf-8")
     run_refused(["-m", "lab_helpers.grid", "check", "g.csv", "--tariffs", "card.csv"],
                 grid_folder, "grid", "card.csv, line 3: ", "lot_price_cents")
 

@@ -509,6 +509,23 @@ def test_replace_text_rewrites_whole_and_names_the_path_as_given(tmp_path, monke
         mm.replace_text("absent/s.csv", "x")
 
 
+def test_replace_bytes_rewrites_whole_with_the_users_mode_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("k.zip").write_bytes(b"old")
+    os.chmod("k.zip", 0o600)
+    umask = os.umask(0o027)
+    try:
+        mm.replace_bytes("k.zip", b"\x00new\xff")
+    finally:
+        os.umask(umask)
+    assert Path("k.zip").read_bytes() == b"\x00new\xff" and os.listdir(".") == ["k.zip"]
+    assert Path("k.zip").stat().st_mode & 0o777 == 0o640
+    os.mkdir("d")  # a folder in the file's place: os.replace refuses, the temporary goes
+    with pytest.raises(mm.LabError, match=r"^cannot write d: it is a folder$"):
+        mm.replace_bytes("d", b"x")
+    assert sorted(os.listdir(".")) == ["d", "k.zip"] and os.listdir("d") == []
+
+
 def test_json_writer_refuses_nan_and_writes_nothing(tmp_path):
     for value in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(mm.LabError, match="not finite"):
