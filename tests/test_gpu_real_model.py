@@ -56,7 +56,7 @@ def test_prediction_matches_measurement(tmp_path, config, batch, context):
     proc, out = measure(tmp_path, config, batch, context, NEW_TOKENS)
     assert proc.returncode == 0, proc.stderr
     document = json.loads(out.read_text())
-    result = real_model.compare(document)
+    result = real_model.compare_model(document)
     for row in result["rows"]:
         report("real-model-acceptance.jsonl", {"config": config, "batch": batch, "context": context, **row})
     for row in result["rows"]:
@@ -108,7 +108,7 @@ def test_fit_finds_the_measured_out_of_memory_boundary(tmp_path, usable, config,
         config = str(path)
     shape = load_config(config)
     sizes = {fixed: value}
-    result = real_model.fit(shape, "bfloat16", 4, usable, "usable memory, measured", **sizes)
+    result = real_model.fit_model(shape, "bfloat16", 4, usable, "usable memory, measured", **sizes)
     largest = result[f"largest_{searched}_at_{fixed}"]
     assert largest > 0
     outcomes = {}

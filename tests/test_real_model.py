@@ -205,7 +205,7 @@ def test_capped_allocator_releases_whole_free_segments_before_running_out():
 # -------------------------------------------------------------- predictions
 def test_qwen_prediction_is_pinned_to_the_byte():
     shape = load_config("qwen1.5-0.5b")
-    prediction = real_model.predict(shape, real_model.RunSpec("qwen1.5-0.5b", batch=2, context=64, new_tokens=3))
+    prediction = real_model.predict_model(shape, real_model.RunSpec("qwen1.5-0.5b", batch=2, context=64, new_tokens=3))
     got = [(r["phase"], r["index"], r["baseline_allocated_bytes"], r["end_allocated_bytes"],
             r["peak_allocated_bytes"], r["end_reserved_bytes"], r["peak_reserved_bytes"]) for r in prediction["phases"]]
     assert got == [
@@ -226,7 +226,7 @@ def test_qwen_prediction_is_pinned_to_the_byte():
 def test_a_70b_prediction_runs_in_well_under_10_seconds_without_weights(tmp_path):
     script = ("import resource, time, json; t = time.perf_counter();"
               "from lab_helpers import real_model; from lab_helpers.model_config import load_config;"
-              "p = real_model.predict(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', batch=1, context=4096, new_tokens=2));"
+              "p = real_model.predict_model(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', batch=1, context=4096, new_tokens=2));"
               "print(json.dumps({'seconds': time.perf_counter() - t, 'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
               "'weights': p['phases'][0]['end_allocated_bytes']}))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -275,7 +275,7 @@ def test_measure_without_a_gpu_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
     shape = load_config(str(tiny_config(tmp_path)))
     spec = real_model.RunSpec("tiny", batch=2, context=16, new_tokens=2)
-    prediction = real_model.predict(shape, spec)
+    prediction = real_model.predict_model(shape, spec)
     measured = json.loads(json.dumps(prediction))
     measured["kind"] = "iteragpu-lab measurement"
     measured["phases"][2]["peak_allocated_bytes"] += 512
@@ -294,14 +294,14 @@ def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
 def test_fit_reports_the_largest_sizes_and_refuses_without_a_budget(tmp_path, capsys):
     config = tiny_config(tmp_path)
     shape = load_config(str(config))
-    one = real_model.predict(shape, real_model.RunSpec("tiny", batch=1, context=64, new_tokens=1))
+    one = real_model.predict_model(shape, real_model.RunSpec("tiny", batch=1, context=64, new_tokens=1))
     budget = one["overall"]["peak_reserved_bytes"]  # exactly what batch 1 x context 64 needs
-    result = real_model.fit(shape, "bfloat16", 1, budget, "test", batch=1, context=64)
+    result = real_model.fit_model(shape, "bfloat16", 1, budget, "test", batch=1, context=64)
     assert result["fits"] and result["headroom_bytes"] == 0
     assert result["largest_context_at_batch"] >= 64 and result["largest_batch_at_context"] >= 1
-    bigger = real_model.fit(shape, "bfloat16", 1, 10 * budget, "test", batch=1)
+    bigger = real_model.fit_model(shape, "bfloat16", 1, 10 * budget, "test", batch=1)
     assert bigger["largest_context_at_batch"] == 4095  # the config's 4096 positions minus the new token
-    assert real_model.fit(shape, "bfloat16", 1, 1024, "test", batch=1)["largest_context_at_batch"] == 0
+    assert real_model.fit_model(shape, "bfloat16", 1, 1024, "test", batch=1)["largest_context_at_batch"] == 0
     code, _, err = run_main(capsys, "fit", "--config", config, "--new-tokens", 1, "--memory-bytes", 10**9)
     assert code == 2 and "--batch, --context" in err[0]
     if not torch.cuda.is_available():
