@@ -21,8 +21,8 @@ from pathlib import Path
 # >>> library only
 from lab_helpers.calcul_forfaits import ForfaitError, load_card
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, AllocatorModel, CommandParser, LabError,
-                                       PhaseError, check_new_output, read_measurement, environment, parse_device, usable_memory,
-                                       whole_number, write_new_json)
+                                       PhaseError, check_new_output, display_path, environment, parse_device,
+                                       read_json_file, usable_memory, whole_number, write_new_json)
 from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
                                       parse_config)
 # <<< library only
@@ -676,7 +676,9 @@ def format_table(command: str, result: dict) -> str:
 def run_command(args) -> dict:
     """Execute one parsed command and return its JSON-ready result."""
     if args.command == "compare":
-        document = read_measurement(args.measurement)  # bounded size and depth; a FIFO or folder refused
+        document = read_json_file(args.measurement)  # bounded size and depth; a FIFO or folder refused
+        if not isinstance(document, dict):
+            raise LabError(f"{display_path(args.measurement)} is not a measurement document")
         return compare_model(document)
     shape = load_shape(args.config)
     if args.command == "fit":
