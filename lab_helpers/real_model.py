@@ -231,7 +231,7 @@ def measure_model(shape: ModelShape, spec: RunSpec) -> dict:
     device = _check_cuda(torch, spec)
     torch.cuda.set_device(device)
     torch.cuda.init()
-    env = environment(spec.device)
+    env = environment(spec.device, usable_memory_figure=False)  # a probe child would fill the GPU mid-run
     phases = []
 
     def phase(name, action, index, recorded):
