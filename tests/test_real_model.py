@@ -5,6 +5,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from lab_helpers import real_model
 from lab_helpers.alloc_trace import (DEFAULT_BEHAVIOUR, AllocationTracer, CappedAllocator, OutOfMemory,
                                      argmax_staging_bytes)
-from lab_helpers.mesure_memoire import AllocatorModel
+from lab_helpers.mesure_memoire import AllocatorModel, read_measurement
 from lab_helpers.model_config import ConfigError, bundled_names, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -309,3 +310,61 @@ def test_fit_reports_the_largest_sizes_and_refuses_without_a_budget(tmp_path, ca
         assert code == 2 and len(err) == 1 and "--gpu or --memory-bytes" in err[0]
     code, _, err = run_main(capsys, "fit", "--config", config, "--batch", 1, "--new-tokens", 1, "--gpu", "nope")
     assert code == 2 and "valid choices" in err[0]
+
+
+# ------------------------------------------------- a measurement file across the lab
+H200_ENVIRONMENT = {  # as `measure` records it on the GPU machine (usable memory not probed mid-run)
+    "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "torch_unavailable_reason": None,
+    "cuda_build_version": "13.0", "hip_build_version": None,
+    "runtime_note": "cuda_build_version / hip_build_version is the runtime built into torch",
+    "device": "cuda:0", "device_count": 1, "device_visible": True, "device_unavailable_reason": None,
+    "device_name": "NVIDIA H200", "compute_capability": "9.0", "total_memory_bytes": 150754820096,
+    "free_memory_bytes": 150000000000, "usable_memory_bytes": None, "usable_memory_unavailable_reason": None,
+    "os": "Linux", "machine": "x86_64"}
+
+
+@pytest.fixture(scope="module")
+def transformers_measurement(tmp_path_factory):
+    """A hand-made measurement file shaped as `measure` writes it: the prediction's counters, plus 4 KiB
+    of peak reserved at the prefill."""
+    shape = load_config("qwen1.5-0.5b")
+    spec = real_model.RunSpec("qwen1.5-0.5b", batch=1, context=16, new_tokens=2).checked()
+    prediction = real_model.predict_model(shape, spec)
+    phases = [{"phase": r["phase"], "index": r["index"], "passes": int(r["phase"] in ("prefill", "decode")),
+               "seconds": 0.25, "device_seconds": 0.125, **{k: r[k] for k in real_model.COUNTER_KEYS}}
+              for r in prediction["phases"]]
+    phases[2]["peak_reserved_bytes"] += 4096
+    document = {"schema_version": 1, "kind": "iteragpu-lab measurement", "environment": H200_ENVIRONMENT,
+                "configuration": {"kind": "transformers", **asdict(spec)},
+                "model": real_model.model_description(shape, "bfloat16"), "phases": phases}
+    path = tmp_path_factory.mktemp("measured") / "mesures-qwen.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_transformers_measurement_passes_the_schema_and_compares_exactly(transformers_measurement, capsys):
+    read_measurement(transformers_measurement)
+    code, out, err = run_main(capsys, "compare", transformers_measurement)
+    rows = json.loads(out)["rows"]
+    assert code == 0 and err == []
+    assert [r["difference_peak_reserved_bytes"] for r in rows] == [0, 0, 4096, 0, 0]
+    assert all(r[f"difference_{k}"] == 0 for r in rows for k in real_model.COUNTER_KEYS if k != "peak_reserved_bytes")
+
+
+def test_runs_and_plots_read_a_transformers_measurement(transformers_measurement, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.runs", str(transformers_measurement),
+                           "--csv", str(tmp_path / "runs.csv")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(lines) == 1 + 5 and "qwen1.5-0.5b" in lines[1]
+    from lab_helpers import plots
+    table = plots.phase_table(str(transformers_measurement))
+    assert list(table.index) == ["model_load", "inputs", "prefill", "decode #0", "decode #1"]
+
+
+def test_mesure_memoire_compare_points_to_real_model_compare(transformers_measurement):
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.mesure_memoire", "compare", str(transformers_measurement)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1
+    assert "python -m lab_helpers.real_model compare" in lines[0]
