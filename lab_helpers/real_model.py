@@ -61,6 +61,7 @@ class RunSpec:
 
     def checked(self) -> "RunSpec":
         """Raise LabError on a bad value; return self."""
+        parse_device(self.device)  # an explicit cuda:N, checked before torch is imported
         if self.dtype not in DTYPE_BYTES:
             raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, high in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("new_tokens", MAX_NEW_TOKENS)):

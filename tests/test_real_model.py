@@ -1,6 +1,7 @@
 """Real-model prediction on the CPU: configs, the tracer's bookkeeping, exact pinned
 predictions, the commands' errors, and a 70B-shaped prediction's time bound."""
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -368,3 +369,107 @@ def test_mesure_memoire_compare_points_to_real_model_compare(transformers_measur
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1
     assert "python -m lab_helpers.real_model compare" in lines[0]
+
+
+# ------------------------------------------------------------------ hostile input
+def _config_file(folder, name, content):
+    path = folder / name
+    if content == "FIFO":
+        os.mkfifo(path)
+    elif content == "DIR":
+        path.mkdir()
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    return path
+
+
+BAD_CONFIGS = [  # (file name, content, words of the one-line error)
+    ("not-json.json", "{model_type: llama", "not JSON"),
+    ("list.json", "[1, 2, 3]", "JSON object"),
+    ("string.json", '"llama"', "JSON object"),
+    ("empty.json", "", "not JSON"),
+    ("nested.json", "[" * 100000 + "]" * 100000, "nests too deeply"),
+    ("no-hidden.json", {k: v for k, v in TINY.items() if k != "hidden_size"}, "hidden_size"),
+    ("no-type.json", {k: v for k, v in TINY.items() if k != "model_type"}, "model_type"),
+    ("gpt2.json", dict(TINY, model_type="gpt2"), "unsupported architecture"),
+    ("heads.json", dict(TINY, num_attention_heads=3, num_key_value_heads=3), "must divide 'hidden_size'"),
+    ("kv-heads.json", dict(TINY, num_key_value_heads=3), "must divide 'num_attention_heads'"),
+    ("layers.json", dict(TINY, num_hidden_layers=10**12), "num_hidden_layers"),
+    ("hidden.json", dict(TINY, hidden_size=2**40), "hidden_size"),
+    ("vocab-text.json", dict(TINY, vocab_size="1000"), "vocab_size"),
+    ("vocab-float.json", dict(TINY, vocab_size=1000.0), "vocab_size"),
+    ("negative.json", dict(TINY, intermediate_size=-1), "intermediate_size"),
+    ("bool.json", dict(TINY, num_hidden_layers=True), "num_hidden_layers"),
+    ("quantized.json", dict(TINY, quantization_config={"bits": 4}), "quantization_config"),
+    ("gelu.json", dict(TINY, hidden_act="gelu"), "hidden_act"),
+    ("nan.json", '{"model_type": "llama", "rope_theta": NaN}', "finite"),
+    ("big.json", " " * (2**20 + 1), "larger than"),
+    ("fifo.json", "FIFO", "not a regular file"),
+    ("folder.json", "DIR", "not a regular file"),
+]
+SIZES = ["--batch", "1", "--context", "16", "--new-tokens", "1"]
+BAD_FLAGS = [  # (argv after the command, words of the one-line error)
+    (["predict", "--config", "no-such-model", *SIZES], "neither a file nor a bundled config"),
+    (["predict", "--config", "tiny.json", "--batch", "\u0661", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "\uff11\uff12", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "1", "--context", "9" * 4300, "--new-tokens", "1"], "--context"),
+    (["predict", "--config", "tiny.json", "--batch", "-1", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "1_0", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "0", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "65536", "--context", "4194304", "--new-tokens", "1"],
+     "at most"),
+    (["predict", "--config", "tiny.json", *SIZES, "--dtype", "int8"], "--dtype"),
+    (["predict", "--config", "tiny.json", *SIZES, "--format", "xml"], "--format"),
+    (["measure", "--config", "tiny.json", *SIZES, "--device", "cpu", "--output", "new.json"], "cuda:N"),
+    (["measure", "--config", "tiny.json", *SIZES, "--device", "cuda:\u0661", "--output", "new.json"], "cuda:N"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "taken.json"], "already exists"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "taken.json/new.json"], "taken.json"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "missing/new.json"], "new.json"),
+    (["measure", "--config", "tiny.json", *SIZES, "--seed", "9" * 5000, "--output", "new.json"], "--seed"),
+    (["fit", "--config", "tiny.json", "--new-tokens", "1", "--memory-bytes", "1"], "--batch, --context"),
+    (["fit", "--config", "tiny.json", "--batch", "1", "--new-tokens", "1", "--gpu", "no-such-gpu"], "no-such-gpu"),
+    (["fit", "--config", "tiny.json", "--batch", "1", "--new-tokens", "1", "--memory-bytes", "0"], "--memory-bytes"),
+    (["compare", "taken.json"], "taken.json"),
+    (["compare", "fifo.json"], "fifo.json"),
+    (["compare", "missing.json"], "missing.json"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+def _refused(folder, argv, words):
+    before = sorted(p.name for p in folder.iterdir())
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.real_model", *argv], cwd=folder, capture_output=True,
+                          text=True, timeout=20, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (argv[:4], proc.stderr[-500:])
+    assert len(lines) == 1 and lines[0].startswith("real_model") and "error:" in lines[0], proc.stderr[-500:]
+    assert words in lines[0] and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in folder.iterdir()) == before, "nothing created"
+    assert seconds < 2, f"refused in {seconds:.2f} s"  # before torch and transformers are imported
+
+
+@pytest.fixture()
+def hostile_folder(tmp_path):
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    (tmp_path / "taken.json").write_text("keep")
+    os.mkfifo(tmp_path / "fifo.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,content,words", BAD_CONFIGS, ids=[row[0] for row in BAD_CONFIGS])
+@pytest.mark.parametrize("command", ["predict", "fit"])
+def test_a_bad_config_is_refused_in_one_line_before_any_work(hostile_folder, name, content, words, command):
+    folder = hostile_folder / "configs"
+    folder.mkdir()
+    config = _config_file(folder, name, content)
+    argv = [command, "--config", str(config), "--batch", "1", "--new-tokens", "1"]
+    _refused(hostile_folder, argv + (["--context", "16"] if command == "predict" else ["--memory-bytes", "1000"]),
+             words)
+
+
+@pytest.mark.parametrize("argv,words", BAD_FLAGS, ids=[f"{i}-{row[0][0]}" for i, row in enumerate(BAD_FLAGS)])
+def test_a_bad_flag_is_refused_in_one_line_and_creates_nothing(hostile_folder, argv, words):
+    _refused(hostile_folder, argv, words)
+    assert (hostile_folder / "taken.json").read_text() == "keep"
