@@ -553,19 +553,26 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
     context_limit = MAX_CONTEXT - new_tokens
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
-    cache = {}
+    cache, predictions = {}, []
     OutOfMemory = _tracing().OutOfMemory
     try:
         loaded = load_for_prediction(shape, dtype, budget_bytes)
     except OutOfMemory:
         loaded = None  # the weights alone do not fit
 
+    def may_fit(b, t):
+        # the weights and the full KV cache are both allocated at the end of the last decode step:
+        # beyond the budget, the run cannot fit, whatever the allocator does (no prediction needed)
+        return (b * (t + new_tokens) <= MAX_TOKENS and
+                loaded["weights_bytes"] + shape.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
+
     def fits(b, t):
         if (b, t) not in cache:
-            if loaded is None or b * (t + new_tokens) > MAX_TOKENS:
+            if loaded is None or not may_fit(b, t):
                 cache[(b, t)] = {"fits": False}
             else:
                 cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
+                predictions.append((b, t))
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
         return cache[(b, t)]["fits"]
@@ -590,9 +597,10 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
         if context > context_limit:
             raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                            f"minus {new_tokens} new tokens")
-        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), min(MAX_BATCH, MAX_TOKENS // (context + new_tokens)))
+        high = min(MAX_BATCH, MAX_TOKENS // (context + new_tokens))
+        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
     result["weights_fit"] = loaded is not None
-    result["predictions_run"] = len(cache)
+    result["predictions_run"] = len(predictions)
     return result
 
 
