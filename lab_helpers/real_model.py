@@ -216,6 +216,8 @@ def _check_cuda(torch, spec: RunSpec):
         raise LabError("no CUDA device is available to torch; measure never falls back to the CPU")
     if index >= torch.cuda.device_count():
         raise LabError(f"{spec.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+    # before any call that initialises CUDA on the current device, which is cuda:0 until set
+    torch.cuda.set_device(index)
     if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise LabError(f"bfloat16 is not supported on {spec.device}")
     return torch.device(spec.device)
