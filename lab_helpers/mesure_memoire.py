@@ -1265,8 +1265,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     minus predicted. The document is checked against the schema and the phases predict would give."""
     configuration = measurement.get("configuration") if isinstance(measurement, dict) else None
     if isinstance(configuration, dict) and configuration.get("kind", "synthetic") != "synthetic":
+        hint = ("; compare it with python -m lab_helpers.real_model compare FILE"
+                if configuration.get("kind") == "transformers" else "")
         raise LabError("compare predicts the synthetic network only; this file measured a "
-                       f"{str(configuration['kind'])[:40]} model")
+                       f"{str(configuration['kind'])[:40]} model{hint}")
     problem = next(_schema_errors(measurement, COMPARABLE_SCHEMA, "$", MEASUREMENT_SCHEMA), None)
     if problem:
         raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")

@@ -7,6 +7,7 @@ never weights).
 """
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,7 +177,10 @@ def load_config(path_or_name: str) -> ModelShape:
     else:
         name = path.stem
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read; a folder is no config
+            raise ConfigError(f"config {path.name} is not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path.name}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
         data = json.loads(path.read_text(encoding="utf-8"))
     except ConfigError:
@@ -185,6 +189,8 @@ def load_config(path_or_name: str) -> ModelShape:
         raise ConfigError(f"cannot read config {path.name}: {type(exc).__name__}") from None
     except ValueError as exc:
         raise ConfigError(f"config {path.name} is not JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser's stack: no config nests like that
+        raise ConfigError(f"config {path.name} nests too deeply to be a config.json") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path.name} must hold a JSON object")
     _check_finite(data, path.name)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 # >>> library only
 from lab_helpers.calcul_forfaits import ForfaitError, load_card
-from lab_helpers.mesure_memoire import AllocatorModel, LabError, environment, parse_device, write_new_json
+from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, AllocatorModel, CommandParser, LabError,
+                                       PhaseError, check_new_output, display_path, environment, parse_device,
+                                       read_json_file, usable_memory, whole_number, write_new_json)
 from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
                                       parse_config)
 # <<< library only
@@ -34,7 +36,6 @@ MAX_BATCH = 65536
 MAX_CONTEXT = 2**22
 MAX_NEW_TOKENS = 4096
 MAX_TOKENS = 2**26  # batch x (context + new tokens)
-EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3
 CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers 5.17.0 on an NVIDIA H200 "
                "(compute capability 9.0): cuBLAS and cuBLASLt workspaces, cuDNN attention, argmax staging")
 ASSUMPTIONS = ("a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the library's default "
@@ -42,20 +43,7 @@ ASSUMPTIONS = ("a fresh process; default allocator settings (no PYTORCH_CUDA_ALL
                "segments were made; reserved without a cache flush unless a capacity is given")
 # the repository root: lab_helpers/.. for the module, notebooks/.. in a notebook
 _REPOSITORY = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent
-TARIFFS = _REPOSITORY / "data" / "tarifs-forfaits.csv"
-
-
-class RunError(Exception):
-    """A bad request or precondition: one line, exit code 2."""
-
-
-class PhaseFailure(Exception):
-    """Out of memory or another CUDA error during a measured phase: exit code 3."""
-
-    def __init__(self, phase, exc):
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
-        self.phase = phase
+RATE_CARD_PATH = _REPOSITORY / "data" / "tarifs-forfaits.csv"
 
 
 @dataclass(frozen=True)
@@ -72,19 +60,20 @@ class RunSpec:
     decode_record_every: int = 1
 
     def checked(self) -> "RunSpec":
-        """Raise RunError on a bad value; return self."""
+        """Raise LabError on a bad value; return self."""
+        parse_device(self.device)  # an explicit cuda:N, checked before torch is imported
         if self.dtype not in DTYPE_BYTES:
-            raise RunError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, high in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("new_tokens", MAX_NEW_TOKENS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise RunError(f"--{name.replace('_', '-')} must be a whole number from 1 to {high}, got {value!r}")
+                raise LabError(f"--{name.replace('_', '-')} must be a whole number from 1 to {high}, got {value!r}")
         if self.batch * (self.context + self.new_tokens) > MAX_TOKENS:
-            raise RunError(f"batch x (context + new tokens) must be at most {MAX_TOKENS}")
+            raise LabError(f"batch x (context + new tokens) must be at most {MAX_TOKENS}")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise RunError(f"--seed must be a whole number >= 0, got {self.seed!r}")
+            raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
         if not isinstance(self.decode_record_every, int) or self.decode_record_every < 1:
-            raise RunError(f"--decode-record-every must be a whole number >= 1, got {self.decode_record_every!r}")
+            raise LabError(f"--decode-record-every must be a whole number >= 1, got {self.decode_record_every!r}")
         return self
 
 
@@ -102,7 +91,7 @@ def load_shape(config: str) -> ModelShape:
     try:
         return load_config(config)
     except ConfigError as exc:
-        raise RunError(str(exc)) from None
+        raise LabError(str(exc)) from None
 
 
 def _hf_config(shape: ModelShape):
@@ -222,28 +211,30 @@ def _check_cuda(torch, spec: RunSpec):
     try:
         index = parse_device(spec.device)
     except LabError as exc:
-        raise RunError(str(exc)) from None
+        raise LabError(str(exc)) from None
     if not torch.cuda.is_available():
-        raise RunError("no CUDA device is available to torch; measure never falls back to the CPU")
+        raise LabError("no CUDA device is available to torch; measure never falls back to the CPU")
     if index >= torch.cuda.device_count():
-        raise RunError(f"{spec.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+        raise LabError(f"{spec.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+    # before any call that initialises CUDA on the current device, which is cuda:0 until set
+    torch.cuda.set_device(index)
     if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise RunError(f"bfloat16 is not supported on {spec.device}")
+        raise LabError(f"bfloat16 is not supported on {spec.device}")
     return torch.device(spec.device)
 
 
-def measure(shape: ModelShape, spec: RunSpec) -> dict:
+def measure_model(shape: ModelShape, spec: RunSpec) -> dict:
     """Measure every phase on the GPU and return the measurement document."""
     spec.checked()
     try:
         import torch
         import transformers  # noqa: F401
     except Exception as exc:
-        raise RunError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+        raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     device = _check_cuda(torch, spec)
     torch.cuda.set_device(device)
     torch.cuda.init()
-    env = environment(spec.device)
+    env = environment(spec.device, usable_memory_figure=False)  # a probe child would fill the GPU mid-run
     phases = []
 
     def phase(name, action, index, recorded):
@@ -251,7 +242,7 @@ def measure(shape: ModelShape, spec: RunSpec) -> dict:
             try:
                 action()
             except RuntimeError as exc:
-                raise PhaseFailure(f"{name} {index}", exc) from None
+                raise PhaseError(f"{name} {index}", exc) from None
             return
         torch.cuda.synchronize(device)
         baseline_allocated = torch.cuda.memory_allocated(device)
@@ -267,7 +258,7 @@ def measure(shape: ModelShape, spec: RunSpec) -> dict:
             seconds = time.perf_counter() - started
             device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
         except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
-            raise PhaseFailure(name if index is None else f"{name} {index}", exc) from None
+            raise PhaseError(name if index is None else f"{name} {index}", exc) from None
         stats = torch.cuda.memory_stats(device)
         phases.append({
             "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
@@ -340,7 +331,7 @@ class _Loaded(Exception):
     """Stops run_protocol once the model is built."""
 
 
-def predict(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) -> dict:
+def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) -> dict:
     """Predict allocated and reserved bytes of every phase, tracing the run on the meta device."""
     spec.checked()
     import copy
@@ -415,7 +406,7 @@ def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weig
 
 
 # ----------------------------------------------------------------- compare
-def compare(measurement: dict) -> dict:
+def compare_model(measurement: dict) -> dict:
     """A measurement beside its prediction, phase by phase; differences are measured - predicted."""
     try:
         configuration = dict(measurement["configuration"])
@@ -426,11 +417,11 @@ def compare(measurement: dict) -> dict:
         measured = measurement["phases"]
         [[m[k] for k in COUNTER_KEYS] for m in measured]
     except (KeyError, TypeError, ValueError) as exc:
-        raise RunError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
-    prediction = predict(shape, spec)
+        raise LabError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
+    prediction = predict_model(shape, spec)
     predicted = prediction["phases"]
     if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
-        raise RunError("the measurement's phases differ from the prediction's: not the same protocol")
+        raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
     rows = []
     for got, want in zip(measured, predicted):
         row = {"phase": got["phase"], "index": got["index"]}
@@ -458,11 +449,14 @@ def compare(measurement: dict) -> dict:
 
 
 # --------------------------------------------------------------------- fit
+# What a real-model measuring process holds outside the allocator (cuBLAS, cuDNN attention, argmax
+# kernels) is loaded before the search, so the figure is what such a process can reach; handed to
+# mesure_memoire.usable_memory, which runs it in a child process (argv: the device index).
 USABLE_PROBE = r"""
-import json, torch
+import json, sys, torch
+DEVICE = f"cuda:{int(sys.argv[1])}"
 torch.cuda.set_device(DEVICE)
 torch.cuda.init()
-# what a measuring process holds outside the allocator once its libraries are loaded
 x = torch.ones(64, 64, device=DEVICE, dtype=torch.bfloat16)
 torch.nn.functional.linear(x, x, x[0]) @ x
 q = torch.ones(1, 2, 64, 64, device=DEVICE, dtype=torch.bfloat16)
@@ -471,7 +465,7 @@ x.argmax(-1)
 torch.cuda.synchronize()
 torch.cuda.empty_cache()
 held = torch.cuda.memory_reserved(DEVICE)
-step = 2 * 2**20
+step = 2 * 2**20  # the allocator rounds large blocks to 2 MiB
 low, high = 0, torch.cuda.mem_get_info(DEVICE)[0] // step + 1
 while high - low > 1:
     middle = (low + high) // 2
@@ -492,21 +486,14 @@ MEASURED_USABLE = {
 
 
 def usable_memory_bytes(device: str = "cuda:0") -> int:
-    """The largest reserved a fresh measuring process can reach on `device`, found in a child process."""
-    import subprocess
-    try:
-        index = parse_device(device)
-    except LabError as exc:
-        raise RunError(str(exc)) from None
-    code = USABLE_PROBE.replace("DEVICE", repr(f"cuda:{index}"))
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        raise RunError("the usable-memory probe did not finish in 300 s") from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        raise RunError(f"no GPU visible to measure the usable memory ({last}); give --gpu or --memory-bytes")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["usable_memory_bytes"]
+    """The largest reserved a fresh real-model measuring process can reach on `device`, measured now
+    in a child process; LabError when no GPU answers."""
+    index = parse_device(device)
+    answer = usable_memory(index, command=[sys.executable, "-c", USABLE_PROBE, str(index)])
+    if not isinstance(answer["usable_memory_bytes"], int):
+        raise LabError(f"cannot measure the usable memory of {device} "
+                       f"({answer['usable_memory_unavailable_reason']}); give --gpu or --memory-bytes")
+    return answer["usable_memory_bytes"]
 
 
 def gpu_budget(gpu: str, tariffs=None) -> tuple:
@@ -517,12 +504,12 @@ def gpu_budget(gpu: str, tariffs=None) -> tuple:
         value, where = MEASURED_USABLE[gpu]
         return value, f"measured usable memory of a fresh measuring process ({where})"
     try:
-        rows = load_card(tariffs or TARIFFS)
+        rows = load_card(tariffs or RATE_CARD_PATH)
     except ForfaitError as exc:
-        raise RunError(str(exc)) from None
+        raise LabError(str(exc)) from None
     found = [row for row in rows if row["model_id"] == gpu]
     if not found:
-        raise RunError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
     gb = found[0]["memory_per_gpu_gib"]
     return gb * 10**9, (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
                         f"the CUDA context and libraries take part of it")
@@ -531,7 +518,7 @@ def gpu_budget(gpu: str, tariffs=None) -> tuple:
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
     OutOfMemory = _tracing().OutOfMemory
     try:
-        prediction = predict(shape, spec, capacity_bytes=budget, loaded=loaded)
+        prediction = predict_model(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
         return {"fits": False}
     return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
@@ -556,31 +543,38 @@ def _largest(fits, high: int) -> int:
     return low
 
 
-def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
+def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
         batch=None, context=None, progress=None) -> dict:
     """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`."""
     if batch is None and context is None:
-        raise RunError("give --batch, --context or both")
+        raise LabError("give --batch, --context or both")
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise RunError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+        raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
     base = RunSpec(shape.name, dtype=dtype, batch=batch or 1, context=context or 1, new_tokens=new_tokens,
                    decode_record_every=new_tokens).checked()
     context_limit = MAX_CONTEXT - new_tokens
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
-    cache = {}
+    cache, predictions = {}, []
     OutOfMemory = _tracing().OutOfMemory
     try:
         loaded = load_for_prediction(shape, dtype, budget_bytes)
     except OutOfMemory:
         loaded = None  # the weights alone do not fit
 
+    def may_fit(b, t):
+        # the weights and the full KV cache are both allocated at the end of the last decode step:
+        # beyond the budget, the run cannot fit, whatever the allocator does (no prediction needed)
+        return (b * (t + new_tokens) <= MAX_TOKENS and
+                loaded["weights_bytes"] + shape.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
+
     def fits(b, t):
         if (b, t) not in cache:
-            if loaded is None or b * (t + new_tokens) > MAX_TOKENS:
+            if loaded is None or not may_fit(b, t):
                 cache[(b, t)] = {"fits": False}
             else:
                 cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
+                predictions.append((b, t))
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
         return cache[(b, t)]["fits"]
@@ -603,62 +597,45 @@ def fit(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budge
         result["context_bound"] = context_limit
     if context is not None:
         if context > context_limit:
-            raise RunError(f"--context {context} is beyond the model's {shape.max_positions} positions "
+            raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                            f"minus {new_tokens} new tokens")
-        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), min(MAX_BATCH, MAX_TOKENS // (context + new_tokens)))
+        high = min(MAX_BATCH, MAX_TOKENS // (context + new_tokens))
+        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
     result["weights_fit"] = loaded is not None
-    result["predictions_run"] = len(cache)
+    result["predictions_run"] = len(predictions)
     return result
 
 
 # --------------------------------------------------------------------- CLI
-def _whole_number(low: int, high: int):
-    def parse(text: str) -> int:
-        if not (text.isascii() and text.isdigit()):
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
-        return value
-    return parse
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def _run_flags(parser, sizes_required=True) -> None:
     parser.add_argument("--config", required=True, metavar="PATH|NAME",
                         help=f"a Hugging Face config.json, or a bundled config: {', '.join(bundled_names())}")
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
                         help="weights and activations dtype (default bfloat16)")
-    parser.add_argument("--batch", type=_whole_number(1, MAX_BATCH), required=sizes_required, default=None,
+    parser.add_argument("--batch", type=whole_number(1, MAX_BATCH), required=sizes_required, default=None,
                         help="sequences decoded together")
-    parser.add_argument("--context", type=_whole_number(1, MAX_CONTEXT), required=sizes_required, default=None,
+    parser.add_argument("--context", type=whole_number(1, MAX_CONTEXT), required=sizes_required, default=None,
                         help="prompt tokens per sequence")
-    parser.add_argument("--new-tokens", type=_whole_number(1, MAX_NEW_TOKENS), required=True,
+    parser.add_argument("--new-tokens", type=whole_number(1, MAX_NEW_TOKENS), required=True,
                         help="decode steps after the prefill, one greedy token each")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: one sub-parser per command."""
-    parser = _Parser(prog="real_model", description=(
+    parser = CommandParser(prog="real_model", description=(
         "Allocator-exact memory of transformers inference from a config.json: predict on any machine, "
         "measure on a GPU, compare, and find what fits."))
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     every = "record every K-th decode step and the last (default 1: every step)"
     p = sub.add_parser("predict", help="per-phase allocated and reserved bytes, no GPU needed")
     _run_flags(p)
-    p.add_argument("--decode-record-every", type=_whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
+    p.add_argument("--decode-record-every", type=whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
     p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
     p = sub.add_parser("measure", help="measure every phase on a CUDA GPU (never the CPU)")
     _run_flags(p)
-    p.add_argument("--decode-record-every", type=_whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
+    p.add_argument("--decode-record-every", type=whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
     p.add_argument("--device", default="cuda:0", help="an explicit cuda:N (default cuda:0)")
-    p.add_argument("--seed", type=_whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
+    p.add_argument("--seed", type=whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
     p.add_argument("--output", required=True, help="new JSON file, created after the last phase; never overwritten")
     p = sub.add_parser("compare", help="a measurement file beside its prediction, phase by phase")
     p.add_argument("measurement", help="a JSON file written by measure")
@@ -667,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p, sizes_required=False)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
-    budget.add_argument("--memory-bytes", type=_whole_number(1, 2**50), metavar="N", help="the budget in bytes")
+    budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
     p.add_argument("--device", default="cuda:0", help="without --gpu or --memory-bytes: the GPU whose usable memory is measured (default cuda:0)")
     p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
     return parser
@@ -710,13 +687,10 @@ def format_table(command: str, result: dict) -> str:
 def run_command(args) -> dict:
     """Execute one parsed command and return its JSON-ready result."""
     if args.command == "compare":
-        try:
-            document = json.loads(Path(args.measurement).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise RunError(f"cannot read {Path(args.measurement).name}: {type(exc).__name__}") from None
+        document = read_json_file(args.measurement)  # bounded size and depth; a FIFO or folder refused
         if not isinstance(document, dict):
-            raise RunError(f"{Path(args.measurement).name} is not a measurement document")
-        return compare(document)
+            raise LabError(f"{display_path(args.measurement)} is not a measurement document")
+        return compare_model(document)
     shape = load_shape(args.config)
     if args.command == "fit":
         if args.gpu:
@@ -726,22 +700,16 @@ def run_command(args) -> dict:
         else:
             budget = usable_memory_bytes(args.device)
             source = f"usable memory of {args.device}, measured now in a fresh child process"
-        return fit(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context)
+        return fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                    new_tokens=args.new_tokens, decode_record_every=args.decode_record_every,
                    **({"device": args.device, "seed": args.seed} if args.command == "measure" else {})).checked()
     if args.command == "predict":
-        return predict(shape, spec)
+        return predict_model(shape, spec)
     output = Path(args.output)
-    if output.exists():
-        raise RunError(f"{output.name} already exists; choose a new file name")
-    if not output.parent.is_dir():
-        raise RunError(f"the folder of {output.name} does not exist")
-    document = measure(shape, spec)
-    try:
-        write_new_json(output, document)
-    except LabError as exc:
-        raise RunError(str(exc)) from None
+    check_new_output(output)  # before the model is built, not after minutes of work
+    document = measure_model(shape, spec)
+    write_new_json(output, document)
     return {"output": str(output), "phases": len(document["phases"])}
 
 
@@ -750,10 +718,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = run_command(args)
-    except RunError as exc:
+    except LabError as exc:
         print(f"real_model: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except PhaseFailure as exc:
+    except PhaseError as exc:
         print(f"real_model: error: {exc}; no file written", file=sys.stderr)
         return EXIT_PHASE
     if getattr(args, "format", "json") == "table":

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lab_helpers import notebook_sync
-
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("library", "notebook")
 MAIN_TRAILER = '\n\nif __name__ == "__main__":\n    sys.exit(main())\n'
 
 
 def _notebook_for(source: str) -> str:
+    from lab_helpers import notebook_sync  # needs nbformat: imported here so the GPU tests run without it
     for notebook, sources in notebook_sync.NOTEBOOK_SOURCES.items():
         if source in sources:
             return notebook
@@ -28,6 +27,7 @@ def implementation_file(kind: str, source: str, workdir: Path) -> Path:
     if kind == "library":
         return ROOT / source
     # what the notebook's kernel has defined once that cell has run
+    from lab_helpers import notebook_sync
     code = notebook_sync.notebook_code_upto(_notebook_for(source), source)
     path = workdir / Path(source).name
     path.write_text(code + (MAIN_TRAILER if "def main(" in code else ""), encoding="utf-8")

@@ -1,10 +1,12 @@
 """Real-model prediction on the CPU: configs, the tracer's bookkeeping, exact pinned
 predictions, the commands' errors, and a 70B-shaped prediction's time bound."""
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from lab_helpers import real_model
 from lab_helpers.alloc_trace import (DEFAULT_BEHAVIOUR, AllocationTracer, CappedAllocator, OutOfMemory,
                                      argmax_staging_bytes)
-from lab_helpers.mesure_memoire import AllocatorModel
+from lab_helpers.mesure_memoire import AllocatorModel, read_measurement
 from lab_helpers.model_config import ConfigError, bundled_names, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +207,7 @@ def test_capped_allocator_releases_whole_free_segments_before_running_out():
 # -------------------------------------------------------------- predictions
 def test_qwen_prediction_is_pinned_to_the_byte():
     shape = load_config("qwen1.5-0.5b")
-    prediction = real_model.predict(shape, real_model.RunSpec("qwen1.5-0.5b", batch=2, context=64, new_tokens=3))
+    prediction = real_model.predict_model(shape, real_model.RunSpec("qwen1.5-0.5b", batch=2, context=64, new_tokens=3))
     got = [(r["phase"], r["index"], r["baseline_allocated_bytes"], r["end_allocated_bytes"],
             r["peak_allocated_bytes"], r["end_reserved_bytes"], r["peak_reserved_bytes"]) for r in prediction["phases"]]
     assert got == [
@@ -226,7 +228,7 @@ def test_qwen_prediction_is_pinned_to_the_byte():
 def test_a_70b_prediction_runs_in_well_under_10_seconds_without_weights(tmp_path):
     script = ("import resource, time, json; t = time.perf_counter();"
               "from lab_helpers import real_model; from lab_helpers.model_config import load_config;"
-              "p = real_model.predict(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', batch=1, context=4096, new_tokens=2));"
+              "p = real_model.predict_model(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', batch=1, context=4096, new_tokens=2));"
               "print(json.dumps({'seconds': time.perf_counter() - t, 'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
               "'weights': p['phases'][0]['end_allocated_bytes']}))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -275,7 +277,7 @@ def test_measure_without_a_gpu_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
     shape = load_config(str(tiny_config(tmp_path)))
     spec = real_model.RunSpec("tiny", batch=2, context=16, new_tokens=2)
-    prediction = real_model.predict(shape, spec)
+    prediction = real_model.predict_model(shape, spec)
     measured = json.loads(json.dumps(prediction))
     measured["kind"] = "iteragpu-lab measurement"
     measured["phases"][2]["peak_allocated_bytes"] += 512
@@ -294,14 +296,14 @@ def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
 def test_fit_reports_the_largest_sizes_and_refuses_without_a_budget(tmp_path, capsys):
     config = tiny_config(tmp_path)
     shape = load_config(str(config))
-    one = real_model.predict(shape, real_model.RunSpec("tiny", batch=1, context=64, new_tokens=1))
+    one = real_model.predict_model(shape, real_model.RunSpec("tiny", batch=1, context=64, new_tokens=1))
     budget = one["overall"]["peak_reserved_bytes"]  # exactly what batch 1 x context 64 needs
-    result = real_model.fit(shape, "bfloat16", 1, budget, "test", batch=1, context=64)
+    result = real_model.fit_model(shape, "bfloat16", 1, budget, "test", batch=1, context=64)
     assert result["fits"] and result["headroom_bytes"] == 0
     assert result["largest_context_at_batch"] >= 64 and result["largest_batch_at_context"] >= 1
-    bigger = real_model.fit(shape, "bfloat16", 1, 10 * budget, "test", batch=1)
+    bigger = real_model.fit_model(shape, "bfloat16", 1, 10 * budget, "test", batch=1)
     assert bigger["largest_context_at_batch"] == 4095  # the config's 4096 positions minus the new token
-    assert real_model.fit(shape, "bfloat16", 1, 1024, "test", batch=1)["largest_context_at_batch"] == 0
+    assert real_model.fit_model(shape, "bfloat16", 1, 1024, "test", batch=1)["largest_context_at_batch"] == 0
     code, _, err = run_main(capsys, "fit", "--config", config, "--new-tokens", 1, "--memory-bytes", 10**9)
     assert code == 2 and "--batch, --context" in err[0]
     if not torch.cuda.is_available():
@@ -309,3 +311,165 @@ def test_fit_reports_the_largest_sizes_and_refuses_without_a_budget(tmp_path, ca
         assert code == 2 and len(err) == 1 and "--gpu or --memory-bytes" in err[0]
     code, _, err = run_main(capsys, "fit", "--config", config, "--batch", 1, "--new-tokens", 1, "--gpu", "nope")
     assert code == 2 and "valid choices" in err[0]
+
+
+# ------------------------------------------------- a measurement file across the lab
+H200_ENVIRONMENT = {  # as `measure` records it on the GPU machine (usable memory not probed mid-run)
+    "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "torch_unavailable_reason": None,
+    "cuda_build_version": "13.0", "hip_build_version": None,
+    "runtime_note": "cuda_build_version / hip_build_version is the runtime built into torch",
+    "device": "cuda:0", "device_count": 1, "device_visible": True, "device_unavailable_reason": None,
+    "device_name": "NVIDIA H200", "compute_capability": "9.0", "total_memory_bytes": 150754820096,
+    "free_memory_bytes": 150000000000, "usable_memory_bytes": None, "usable_memory_unavailable_reason": None,
+    "os": "Linux", "machine": "x86_64"}
+
+
+@pytest.fixture(scope="module")
+def transformers_measurement(tmp_path_factory):
+    """A hand-made measurement file shaped as `measure` writes it: the prediction's counters, plus 4 KiB
+    of peak reserved at the prefill."""
+    shape = load_config("qwen1.5-0.5b")
+    spec = real_model.RunSpec("qwen1.5-0.5b", batch=1, context=16, new_tokens=2).checked()
+    prediction = real_model.predict_model(shape, spec)
+    phases = [{"phase": r["phase"], "index": r["index"], "passes": int(r["phase"] in ("prefill", "decode")),
+               "seconds": 0.25, "device_seconds": 0.125, **{k: r[k] for k in real_model.COUNTER_KEYS}}
+              for r in prediction["phases"]]
+    phases[2]["peak_reserved_bytes"] += 4096
+    document = {"schema_version": 1, "kind": "iteragpu-lab measurement", "environment": H200_ENVIRONMENT,
+                "configuration": {"kind": "transformers", **asdict(spec)},
+                "model": real_model.model_description(shape, "bfloat16"), "phases": phases}
+    path = tmp_path_factory.mktemp("measured") / "mesures-qwen.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_transformers_measurement_passes_the_schema_and_compares_exactly(transformers_measurement, capsys):
+    read_measurement(transformers_measurement)
+    code, out, err = run_main(capsys, "compare", transformers_measurement)
+    rows = json.loads(out)["rows"]
+    assert code == 0 and err == []
+    assert [r["difference_peak_reserved_bytes"] for r in rows] == [0, 0, 4096, 0, 0]
+    assert all(r[f"difference_{k}"] == 0 for r in rows for k in real_model.COUNTER_KEYS if k != "peak_reserved_bytes")
+
+
+def test_runs_and_plots_read_a_transformers_measurement(transformers_measurement, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.runs", str(transformers_measurement),
+                           "--csv", str(tmp_path / "runs.csv")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(lines) == 1 + 5 and "qwen1.5-0.5b" in lines[1]
+    from lab_helpers import plots
+    table = plots.phase_table(str(transformers_measurement))
+    assert list(table.index) == ["model_load", "inputs", "prefill", "decode #0", "decode #1"]
+
+
+def test_mesure_memoire_compare_points_to_real_model_compare(transformers_measurement):
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.mesure_memoire", "compare", str(transformers_measurement)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1
+    assert "python -m lab_helpers.real_model compare" in lines[0]
+
+
+# ------------------------------------------------------------------ hostile input
+def _config_file(folder, name, content):
+    path = folder / name
+    if content == "FIFO":
+        os.mkfifo(path)
+    elif content == "DIR":
+        path.mkdir()
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    return path
+
+
+BAD_CONFIGS = [  # (file name, content, words of the one-line error)
+    ("not-json.json", "{model_type: llama", "not JSON"),
+    ("list.json", "[1, 2, 3]", "JSON object"),
+    ("string.json", '"llama"', "JSON object"),
+    ("empty.json", "", "not JSON"),
+    ("nested.json", "[" * 100000 + "]" * 100000, "nests too deeply"),
+    ("no-hidden.json", {k: v for k, v in TINY.items() if k != "hidden_size"}, "hidden_size"),
+    ("no-type.json", {k: v for k, v in TINY.items() if k != "model_type"}, "model_type"),
+    ("gpt2.json", dict(TINY, model_type="gpt2"), "unsupported architecture"),
+    ("heads.json", dict(TINY, num_attention_heads=3, num_key_value_heads=3), "must divide 'hidden_size'"),
+    ("kv-heads.json", dict(TINY, num_key_value_heads=3), "must divide 'num_attention_heads'"),
+    ("layers.json", dict(TINY, num_hidden_layers=10**12), "num_hidden_layers"),
+    ("hidden.json", dict(TINY, hidden_size=2**40), "hidden_size"),
+    ("vocab-text.json", dict(TINY, vocab_size="1000"), "vocab_size"),
+    ("vocab-float.json", dict(TINY, vocab_size=1000.0), "vocab_size"),
+    ("negative.json", dict(TINY, intermediate_size=-1), "intermediate_size"),
+    ("bool.json", dict(TINY, num_hidden_layers=True), "num_hidden_layers"),
+    ("quantized.json", dict(TINY, quantization_config={"bits": 4}), "quantization_config"),
+    ("gelu.json", dict(TINY, hidden_act="gelu"), "hidden_act"),
+    ("nan.json", '{"model_type": "llama", "rope_theta": NaN}', "finite"),
+    ("big.json", " " * (2**20 + 1), "larger than"),
+    ("fifo.json", "FIFO", "not a regular file"),
+    ("folder.json", "DIR", "not a regular file"),
+]
+SIZES = ["--batch", "1", "--context", "16", "--new-tokens", "1"]
+BAD_FLAGS = [  # (argv after the command, words of the one-line error)
+    (["predict", "--config", "no-such-model", *SIZES], "neither a file nor a bundled config"),
+    (["predict", "--config", "tiny.json", "--batch", "\u0661", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "\uff11\uff12", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "1", "--context", "9" * 4300, "--new-tokens", "1"], "--context"),
+    (["predict", "--config", "tiny.json", "--batch", "-1", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "1_0", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "0", "--context", "16", "--new-tokens", "1"], "--batch"),
+    (["predict", "--config", "tiny.json", "--batch", "65536", "--context", "4194304", "--new-tokens", "1"],
+     "at most"),
+    (["predict", "--config", "tiny.json", *SIZES, "--dtype", "int8"], "--dtype"),
+    (["predict", "--config", "tiny.json", *SIZES, "--format", "xml"], "--format"),
+    (["measure", "--config", "tiny.json", *SIZES, "--device", "cpu", "--output", "new.json"], "cuda:N"),
+    (["measure", "--config", "tiny.json", *SIZES, "--device", "cuda:\u0661", "--output", "new.json"], "cuda:N"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "taken.json"], "already exists"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "taken.json/new.json"], "taken.json"),
+    (["measure", "--config", "tiny.json", *SIZES, "--output", "missing/new.json"], "new.json"),
+    (["measure", "--config", "tiny.json", *SIZES, "--seed", "9" * 5000, "--output", "new.json"], "--seed"),
+    (["fit", "--config", "tiny.json", "--new-tokens", "1", "--memory-bytes", "1"], "--batch, --context"),
+    (["fit", "--config", "tiny.json", "--batch", "1", "--new-tokens", "1", "--gpu", "no-such-gpu"], "no-such-gpu"),
+    (["fit", "--config", "tiny.json", "--batch", "1", "--new-tokens", "1", "--memory-bytes", "0"], "--memory-bytes"),
+    (["compare", "taken.json"], "taken.json"),
+    (["compare", "fifo.json"], "fifo.json"),
+    (["compare", "missing.json"], "missing.json"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+def _refused(folder, argv, words):
+    before = sorted(p.name for p in folder.iterdir())
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.real_model", *argv], cwd=folder, capture_output=True,
+                          text=True, timeout=20, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (argv[:4], proc.stderr[-500:])
+    assert len(lines) == 1 and lines[0].startswith("real_model") and "error:" in lines[0], proc.stderr[-500:]
+    assert words in lines[0] and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in folder.iterdir()) == before, "nothing created"
+    assert seconds < 2, f"refused in {seconds:.2f} s"  # before torch and transformers are imported
+
+
+@pytest.fixture()
+def hostile_folder(tmp_path):
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    (tmp_path / "taken.json").write_text("keep")
+    os.mkfifo(tmp_path / "fifo.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,content,words", BAD_CONFIGS, ids=[row[0] for row in BAD_CONFIGS])
+@pytest.mark.parametrize("command", ["predict", "fit"])
+def test_a_bad_config_is_refused_in_one_line_before_any_work(hostile_folder, name, content, words, command):
+    folder = hostile_folder / "configs"
+    folder.mkdir()
+    config = _config_file(folder, name, content)
+    argv = [command, "--config", str(config), "--batch", "1", "--new-tokens", "1"]
+    _refused(hostile_folder, argv + (["--context", "16"] if command == "predict" else ["--memory-bytes", "1000"]),
+             words)
+
+
+@pytest.mark.parametrize("argv,words", BAD_FLAGS, ids=[f"{i}-{row[0][0]}" for i, row in enumerate(BAD_FLAGS)])
+def test_a_bad_flag_is_refused_in_one_line_and_creates_nothing(hostile_folder, argv, words):
+    _refused(hostile_folder, argv, words)
+    assert (hostile_folder / "taken.json").read_text() == "keep"
