@@ -66,6 +66,8 @@ class PhaseError(Exception):
         memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
         self.reason = "out_of_memory" if memory else "cuda_error"
         self.message = f"{type(exc).__name__}: {first_line[:300]}"
+        self.oom_snapshot = None  # set by measure's HistoryRecorder on out-of-memory
+        self.oom_snapshot_problem = None
 
     def report(self) -> dict:
         """The structured failure that `measure --failure-report` writes."""
@@ -962,13 +964,16 @@ def _check_device(torch, config: MeasureConfig):
     return torch.device("cuda", config.device_index)
 
 
-def _phase(torch, device, name, action, index=None, passes=0):
-    """Run `action` as one phase; return (record, what action returned)."""
+def _phase(torch, device, name, action, index=None, passes=0, history=None):
+    """Run `action` as one phase; return (record, what action returned). With a HistoryRecorder
+    `history`, mark the phase on the trace's clock (between the synchronizations) and on failure
+    let it save the allocator's state."""
     torch.cuda.synchronize(device)
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_us = now_us()
     try:
         started = time.perf_counter()
         start.record()
@@ -978,7 +983,13 @@ def _phase(torch, device, name, action, index=None, passes=0):
         seconds = time.perf_counter() - started
         device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
     except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
-        raise PhaseError(name, exc) from None
+        error = PhaseError(name, exc)
+        if history is not None:
+            history.mark(name, index, start_us, now_us())
+            history.failure(torch, device, error)
+        raise error from None
+    if history is not None:
+        history.mark(name, index, start_us, now_us())
     stats = torch.cuda.memory_stats(device)
     record = {
         "phase": name, "index": index, "passes": passes,
@@ -993,8 +1004,9 @@ def _phase(torch, device, name, action, index=None, passes=0):
     return record, result
 
 
-def measure(config: MeasureConfig) -> dict:
-    """Measure every phase on the GPU and return the measurement document."""
+def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> dict:
+    """Measure every phase on the GPU and return the measurement document. With a HistoryRecorder,
+    the allocator's history is recorded for the run and `history.timeline` holds the timeline."""
     torch = _import_torch()
     device = _check_device(torch, config)
     torch.cuda.set_device(device)
@@ -1026,19 +1038,31 @@ def measure(config: MeasureConfig) -> dict:
         for _ in range(config.warmup):
             forward()  # each output is released before the next pass
 
-    phases.append(_phase(torch, device, "model_load", load_model)[0])
-    phases.append(_phase(torch, device, "inputs", make_inputs)[0])
-    with torch.inference_mode():
-        record, output = _phase(torch, device, "cold_forward", forward, passes=1)
-        phases.append(record)
-        del output  # alive when the end was recorded, released before the next pass
-        phases.append(_phase(torch, device, "warmup", warmup, passes=config.warmup)[0])
-        for repeat in range(config.repeats):
-            record, output = _phase(torch, device, "warm_forward", forward, index=repeat, passes=1)
-            del output
-            record["achieved_tflops"] = model_info["forward_flops"] / record["device_seconds"] / 1e12
-            record["host_to_device_time_ratio"] = record["seconds"] / record["device_seconds"]
+    def run_phases():
+        phases.append(_phase(torch, device, "model_load", load_model, history=history)[0])
+        phases.append(_phase(torch, device, "inputs", make_inputs, history=history)[0])
+        with torch.inference_mode():
+            record, output = _phase(torch, device, "cold_forward", forward, passes=1, history=history)
             phases.append(record)
+            del output  # alive when the end was recorded, released before the next pass
+            phases.append(_phase(torch, device, "warmup", warmup, passes=config.warmup, history=history)[0])
+            for repeat in range(config.repeats):
+                record, output = _phase(torch, device, "warm_forward", forward, index=repeat, passes=1,
+                                        history=history)
+                del output
+                record["achieved_tflops"] = model_info["forward_flops"] / record["device_seconds"] / 1e12
+                record["host_to_device_time_ratio"] = record["seconds"] / record["device_seconds"]
+                phases.append(record)
+
+    if history is None:
+        run_phases()
+    else:
+        history.start(torch)
+        try:
+            run_phases()
+            history.finish(torch, device, state)
+        finally:
+            history.stop(torch)
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab measurement",
@@ -1057,6 +1081,317 @@ def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
         if not candidate.exists():
             return candidate
     raise LabError(f"no free file name for {stem} in {folder}")
+
+
+# ----------------------------------------------------------------- allocator timeline
+# The raw material of lab_helpers.timeline (plot, explain), recorded by `measure --timeline`. It
+# lives here so that this file alone can record it; lab_helpers.timeline imports these names.
+TIMELINE_KIND = "iteragpu-lab timeline"
+OOM_SNAPSHOT_KIND = "iteragpu-lab oom snapshot"
+# Event action codes of the columnar file, by position (schema version 1).
+TIMELINE_ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+TIMELINE_COLUMNS = ("time_us", "action", "address", "size_bytes", "phase")
+NO_PHASE = -1  # an event between two phases (or outside all of them)
+MAX_COUNT = 2**63 - 1  # addresses, sizes and times are int64 in c10; larger numbers are not real
+# c10 writes "active_pending_free"; torch's docstring calls it "active_awaiting_free"
+BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
+DEFAULT_MAX_ENTRIES = 1_000_000  # ring buffer of the allocator's history; older entries are dropped
+MAX_HISTORY_ENTRIES = 2**31 - 1
+STACK_FRAMES_KEPT = 12  # innermost frames kept per allocation with --timeline-stacks
+WEIGHTS_LABEL, INPUTS_LABEL, WORKSPACE_LABEL = "weights", "inputs", "workspace"
+
+
+def now_us() -> int:
+    """The clock of the allocator's trace (``time_us``): Unix time in microseconds.
+
+    c10 stamps each entry with a TSC reading converted to CLOCK_REALTIME, so phase marks taken with
+    this function line up with the trace to within the converter's error (microseconds)."""
+    return time.time_ns() // 1000
+
+
+def is_byte_count(value) -> bool:
+    """True for a whole number (not a bool) in [0, 2**63 - 1]: c10's sizes, addresses and times."""
+    return type(value) is int and 0 <= value <= MAX_COUNT
+
+
+def check_allocator_snapshot(snapshot, where) -> None:
+    """Validate the parts of a ``torch.cuda.memory._snapshot()`` dict the lab reads (segments,
+    blocks, trace entries); raise LabError naming `where` and the first fault."""
+    if not isinstance(snapshot, dict):
+        raise LabError(f"{where}: the snapshot is not a dict")
+    segments = snapshot.get("segments")
+    if not isinstance(segments, list):
+        raise LabError(f"{where}: the snapshot has no 'segments' list")
+    for i, segment in enumerate(segments):
+        if not isinstance(segment, dict):
+            raise LabError(f"{where}: segment {i} is not a dict")
+        for key in ("address", "total_size"):
+            if not is_byte_count(segment.get(key)):
+                raise LabError(f"{where}: segment {i} '{key}' is not a whole number >= 0")
+        if segment.get("segment_type", "large") not in ("small", "large"):
+            raise LabError(f"{where}: segment {i} 'segment_type' is not small or large")
+        blocks = segment.get("blocks")
+        if not isinstance(blocks, list):
+            raise LabError(f"{where}: segment {i} has no 'blocks' list")
+        total = 0
+        for j, block in enumerate(blocks):
+            if not isinstance(block, dict) or not is_byte_count(block.get("size")):
+                raise LabError(f"{where}: segment {i} block {j} has no whole 'size'")
+            if block.get("state") not in BLOCK_STATES:
+                raise LabError(f"{where}: segment {i} block {j} state {str(block.get('state'))[:40]!r} is unknown")
+            total += block["size"]
+        if total != segment["total_size"]:
+            raise LabError(f"{where}: segment {i} blocks add up to {total} bytes, "
+                           f"not its total_size {segment['total_size']}")
+    traces = snapshot.get("device_traces", [])
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise LabError(f"{where}: 'device_traces' is not a list of lists")
+    for d, trace in enumerate(traces):
+        for k, entry in enumerate(trace):
+            if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
+                raise LabError(f"{where}: device {d} trace entry {k} has no 'action'")
+            if not is_byte_count(entry.get("size")):
+                raise LabError(f"{where}: device {d} trace entry {k} has no whole 'size'")
+
+
+def _phase_marks(phase_marks) -> list:
+    """Validate (name, index, start_us, end_us) marks: in order, not overlapping."""
+    phases = []
+    for i, mark in enumerate(phase_marks):
+        if not isinstance(mark, (list, tuple)) or len(mark) != 4:
+            raise LabError(f"phase mark {i} is not (name, index, start_us, end_us)")
+        name, index, start, end = mark
+        if not isinstance(name, str) or not name:
+            raise LabError(f"phase mark {i}: the name must be a non-empty string")
+        if index is not None and not is_byte_count(index):
+            raise LabError(f"phase mark {i}: the index must be None or a whole number >= 0")
+        if not (type(start) is int and type(end) is int and start <= end):
+            raise LabError(f"phase mark {i}: start_us and end_us must be whole numbers, start <= end")
+        if phases and start < phases[-1][3]:
+            raise LabError(f"phase mark {i} starts before phase mark {i - 1} ends")
+        phases.append((name, index, start, end))
+    return phases
+
+
+def _device_trace(snapshot: dict, device) -> tuple:
+    traces = snapshot.get("device_traces", [])
+    if device is None:
+        used = [d for d, trace in enumerate(traces) if trace]
+        if len(used) > 1:
+            raise LabError(f"the snapshot has traces for devices {used}; choose one")
+        device = used[0] if used else 0
+    if type(device) is not int or device < 0:
+        raise LabError(f"device must be a device index >= 0, got {device!r}")
+    return device, (traces[device] if device < len(traces) else [])
+
+
+def _frames_text(entry) -> list:
+    frames = entry.get("frames")
+    if not isinstance(frames, list):
+        return []
+    return [f"{f.get('name')} {f.get('filename')}:{f.get('line')}" for f in frames[:STACK_FRAMES_KEPT]
+            if isinstance(f, dict)]
+
+
+def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, labels=None,
+                           stacks: bool = False) -> dict:
+    """Turn ``torch.cuda.memory._snapshot()`` into the lab's columnar timeline (standard library).
+
+    `phase_marks`: (name, index, start_us, end_us) on the trace's clock (``now_us``); each event
+    falls in the phase whose [start, end] holds its time, else -1. Tensor sizes are the trace's
+    requested bytes rounded up to 512, the allocator's block size (a large block that kept an
+    unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
+    ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
+    recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
+    the snapshot ends with. `labels`: {address: label} stored on the matching alloc events (the
+    address's every allocation). `stacks`: keep each allocation's innermost frames (column
+    ``frames``). lab_helpers.timeline.check_timeline validates the result.
+    """
+    check_allocator_snapshot(snapshot, "snapshot")
+    phases = _phase_marks(phase_marks)
+    device, trace = _device_trace(snapshot, device)
+    ALLOC, FREE, SEGMENT_ALLOC = (TIMELINE_ACTIONS.index(a) for a in ("alloc", "free", "segment_alloc"))
+    codes = {name: code for code, name in enumerate(TIMELINE_ACTIONS) if name != "free"}
+    times, actions, addresses, sizes, frames, ooms = [], [], [], [], [], []
+    requested = set()  # addresses whose free_requested was recorded since their alloc
+    for k, entry in enumerate(trace):
+        action, size = entry["action"], entry["size"]
+        when = entry.get("time_us")
+        if type(when) is not int:
+            raise LabError(f"trace entry {k} has no whole 'time_us' (torch 2.1 or newer records it)")
+        if action == "oom":
+            if entry.get("device_free") is not None and not is_byte_count(entry.get("device_free")):
+                raise LabError(f"trace entry {k} (oom) has a 'device_free' that is not a whole number")
+            ooms.append({"time_us": when, "size_bytes": size, "device_free_bytes": entry.get("device_free")})
+            continue
+        if action == "snapshot":
+            continue
+        address = entry.get("addr")
+        if not is_byte_count(address):
+            raise LabError(f"trace entry {k} ({str(action)[:40]}) has no whole 'addr'")
+        if action == "free_requested":
+            requested.add(address)
+            code = FREE
+        elif action == "free_completed":
+            if address in requested:
+                requested.discard(address)
+                continue
+            code = FREE
+        elif action in codes:
+            code = codes[action]
+            if code == ALLOC:
+                requested.discard(address)
+        else:
+            raise LabError(f"trace entry {k} has an unknown action {str(action)[:40]!r}")
+        times.append(when)
+        actions.append(code)
+        addresses.append(address)
+        # the trace records a tensor's requested bytes; its block (what `allocated` counts) is rounded
+        sizes.append(AllocatorModel.round_size(size) if code in (ALLOC, FREE) else size)
+        if stacks:
+            frames.append(_frames_text(entry) if code == ALLOC else None)
+    starts = [p[2] for p in phases]
+    origin = min(times[:1] + starts[:1] + [o["time_us"] for o in ooms[:1]] or [0])
+    if any(b < a for a, b in zip(times, times[1:])):
+        raise LabError("the trace's times go backwards")
+    phase_column = _assign_phases(times, phases)
+    segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
+    end_reserved = sum(s["total_size"] for s in segments)
+    end_allocated = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
+    net_allocated = sum(s if a == ALLOC else -s for a, s in zip(actions, sizes) if a in (ALLOC, FREE))
+    net_reserved = sum(s if a in (SEGMENT_ALLOC, codes["segment_map"]) else -s
+                       for a, s in zip(actions, sizes) if a >= SEGMENT_ALLOC)
+    events = {"time_us": [t - origin for t in times], "action": actions, "address": addresses,
+              "size_bytes": sizes, "phase": phase_column}
+    if labels:
+        events["label"] = [labels.get(a) if c == ALLOC else None for a, c in zip(addresses, actions)]
+    if stacks:
+        events["frames"] = frames
+    return {
+        "kind": TIMELINE_KIND, "schema_version": SCHEMA_VERSION, "device": f"cuda:{device}",
+        "time_origin_us": origin, "actions": list(TIMELINE_ACTIONS),
+        "initial_allocated_bytes": max(0, end_allocated - net_allocated),
+        "initial_reserved_bytes": max(0, end_reserved - net_reserved),
+        "events": events,
+        "phases": [{"name": n, "index": i, "start_us": s - origin, "end_us": e - origin} for n, i, s, e in phases],
+        "ooms": [{**o, "time_us": o["time_us"] - origin} for o in ooms],
+    }
+
+
+def _assign_phases(times: list, phases: list) -> list:
+    import bisect
+    starts = [p[2] for p in phases]
+    column = []
+    for t in times:
+        k = bisect.bisect_right(starts, t) - 1
+        column.append(k if k >= 0 and t <= phases[k][3] else NO_PHASE)
+    return column
+
+
+def workspace_addresses(trace: list, start_us: int, end_us: int) -> set:
+    """Addresses allocated in [start_us, end_us] and never released later in `trace`: in the cold
+    forward pass, the math libraries' persistent workspaces (cuBLAS, cuBLASLt)."""
+    made, released = {}, set()
+    for entry in trace:
+        when, address = entry.get("time_us"), entry.get("addr")
+        if entry.get("action") == "alloc" and type(when) is int and start_us <= when <= end_us:
+            made[address] = True
+            released.discard(address)
+        elif entry.get("action") in ("free_requested", "free_completed") and address in made:
+            released.add(address)
+    return {address for address in made if address not in released}
+
+
+def _strip_frames(snapshot: dict) -> dict:
+    """The snapshot without tracebacks (they are most of its size and none of the explanation)."""
+    segments = [{**{k: v for k, v in s.items() if k != "frames"},
+                 "blocks": [{k: v for k, v in b.items() if k != "frames"} for b in s.get("blocks", [])]}
+                for s in snapshot.get("segments", [])]
+    traces = [[{k: v for k, v in e.items() if k in ("action", "addr", "size", "stream", "time_us",
+                                                      "device_free")} for e in trace]
+              for trace in snapshot.get("device_traces", [])]
+    return {"segments": segments, "device_traces": traces}
+
+
+def oom_snapshot_document(torch, device, failed_request_bytes) -> dict:
+    """The lab's out-of-memory snapshot of `device` (a torch.device cuda:N) now: the allocator's
+    segments and trace without tracebacks, the request that failed and the device's free bytes
+    (``mem_get_info``), as ``python -m lab_helpers.timeline explain`` reads it."""
+    if failed_request_bytes is not None and not is_byte_count(failed_request_bytes):
+        raise LabError(f"failed_request_bytes must be a whole number >= 0, got {failed_request_bytes!r}")
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": str(device),
+            "failed_request_bytes": failed_request_bytes, "device_free_bytes": int(free_bytes),
+            "device_total_bytes": int(total_bytes),
+            "snapshot": _strip_frames(torch.cuda.memory._snapshot(device))}
+
+
+def oom_snapshot_path(timeline_path) -> str:
+    """Where `measure --timeline FILE` saves the out-of-memory snapshot: FILE with its .json suffix
+    replaced by .oom.json (run.json -> run.oom.json), or FILE.oom.json."""
+    text = os.fspath(timeline_path)
+    return (text[:-len(".json")] if text.endswith(".json") else text) + ".oom.json"
+
+
+class HistoryRecorder:
+    """Records the allocator's history during `measure` and the phases' marks on the trace's clock.
+
+    After a successful `measure(config, recorder)`, ``timeline`` holds the timeline document; after
+    an out-of-memory PhaseError, the error's ``oom_snapshot`` holds the snapshot at the failure."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = False):
+        self.max_entries = parse_whole(max_entries, "--timeline-max-entries", 1, MAX_HISTORY_ENTRIES)
+        if not isinstance(stacks, bool):
+            raise LabError("stacks must be True or False")
+        self.stacks = stacks
+        self.marks = []
+        self.timeline = None
+
+    def start(self, torch) -> None:
+        # context None records no traceback at all: the cheapest recording, the same bytes
+        options = {"enabled": "all", "context": "alloc" if self.stacks else None,
+                   "stacks": "all" if self.stacks else "python", "max_entries": self.max_entries}
+        try:  # entries left from an earlier recording would precede this run's phases
+            torch.cuda.memory._record_memory_history(**options, clear_history=True)
+        except TypeError:  # torch before clear_history existed
+            torch.cuda.memory._record_memory_history(**options)
+
+    @staticmethod
+    def stop(torch) -> None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def mark(self, name, index, start_us, end_us) -> None:
+        self.marks.append((name, index, start_us, end_us))
+
+    def failure(self, torch, device, error) -> None:
+        """At a phase's failure (tensors of the failed pass still referenced by the traceback):
+        attach the out-of-memory snapshot to `error`, the trace's last oom entry naming the request."""
+        if error.reason != "out_of_memory":
+            return
+        try:
+            document = oom_snapshot_document(torch, device, None)
+            oom = [e for e in document["snapshot"]["device_traces"][device.index]
+                   if e.get("action") == "oom"] if device.index < len(document["snapshot"]["device_traces"]) else []
+            if oom:
+                document["failed_request_bytes"] = oom[-1]["size"]
+            document["phase"] = error.phase
+            error.oom_snapshot = document
+        except Exception as exc:  # the device may be unusable after the failure
+            error.oom_snapshot_problem = _safe_reason(exc)
+
+    def finish(self, torch, device, state) -> None:
+        """Build the timeline from the snapshot, labelling weights, inputs and workspaces."""
+        snapshot = torch.cuda.memory._snapshot(device)
+        labels = {p.untyped_storage().data_ptr(): WEIGHTS_LABEL for p in state["model"].parameters()}
+        labels[state["x"].untyped_storage().data_ptr()] = INPUTS_LABEL
+        cold = [m for m in self.marks if m[0] == "cold_forward"]
+        traces = snapshot.get("device_traces", [])
+        trace = traces[device.index] if device.index < len(traces) else []
+        if cold:
+            for address in workspace_addresses(trace, cold[0][2], cold[0][3]):
+                labels.setdefault(address, WORKSPACE_LABEL)
+        self.timeline = timeline_from_snapshot(snapshot, self.marks, device=device.index, labels=labels,
+                                               stacks=self.stacks)
 
 
 # ----------------------------------------------------------------- predict
@@ -1445,6 +1780,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failure-report", metavar="PATH",
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="record the allocator's history and write the compact timeline (every allocation "
+                        "and release with bytes, time and phase; segments; phase boundaries) to this new "
+                        "file, after --output; on out of memory, save the allocator's snapshot to FILE "
+                        "with .json replaced by .oom.json instead (read it with: python -m "
+                        "lab_helpers.timeline explain)")
+    p.add_argument("--timeline-stacks", action="store_true",
+                   help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
+                        f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
+    p.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES),
+                   default=DEFAULT_MAX_ENTRIES,
+                   help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
     p = command("predict")
     add_size_flags(p)
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
@@ -1512,9 +1859,39 @@ def run_command(args) -> dict:
     check_new_output(args.output)
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    document = measure(config)
+    history = None
+    if args.timeline is not None:
+        check_new_output(args.timeline)
+        check_new_output(oom_snapshot_path(args.timeline))
+        outputs = [os.path.abspath(p) for p in (args.output, args.failure_report, args.timeline,
+                                                oom_snapshot_path(args.timeline)) if p is not None]
+        if len(set(outputs)) != len(outputs):
+            raise LabError("--output, --failure-report, --timeline and its .oom.json must be different files")
+        history = HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+    elif args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
+        raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+    document = measure(config, history)
     write_new_json(args.output, document)
-    return {"output": display_path(args.output), "phases": len(document["phases"])}
+    result = {"output": display_path(args.output), "phases": len(document["phases"])}
+    if history is not None:
+        write_new_text(args.timeline, json.dumps(history.timeline, separators=(",", ":"), allow_nan=False) + "\n")
+        result["timeline"] = display_path(args.timeline)
+        result["timeline_events"] = len(history.timeline["events"]["time_us"])
+    return result
+
+
+def _save_oom_snapshot(timeline_path, error: PhaseError) -> str:
+    """Write the snapshot the failed phase left (if any); return the note for the error line."""
+    if error.oom_snapshot is None:
+        if error.oom_snapshot_problem:
+            return f"; no out-of-memory snapshot: {error.oom_snapshot_problem}"
+        return "" if error.reason != "out_of_memory" else "; no out-of-memory snapshot"
+    path = oom_snapshot_path(timeline_path)
+    try:
+        write_new_text(path, json.dumps(error.oom_snapshot, separators=(",", ":"), allow_nan=False) + "\n")
+    except LabError as write_error:
+        return f"; out-of-memory snapshot not written: {write_error}"
+    return f"; out-of-memory snapshot: {display_path(path)}"
 
 
 TABLES = {"estimate": estimate_table, "environment": environment_table, "predict": predict_table,
@@ -1547,6 +1924,8 @@ def main(argv=None) -> int:
                 note += f"; failure report: {display_path(args.failure_report)}"
             except LabError as write_error:
                 note += f"; failure report not written: {write_error}"
+        if getattr(args, "timeline", None) is not None:
+            note += _save_oom_snapshot(args.timeline, exc)
         print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
         return EXIT_PHASE
     if getattr(args, "format", "json") == "table":

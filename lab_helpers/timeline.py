@@ -15,74 +15,35 @@ Run as ``python -m lab_helpers.timeline plot|explain|convert|summary ...``. nump
 imported only where a timeline is turned into arrays or drawn; torch only inside the GPU helpers.
 """
 import argparse
-import bisect
 import io
 import json
 import os
 import pickle
 import stat
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-TIMELINE_KIND = "iteragpu-lab timeline"
-OOM_SNAPSHOT_KIND = "iteragpu-lab oom snapshot"
-SCHEMA_VERSION = 1
-# Event action codes of the columnar file, by position (schema version 1).
-ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+# >>> library only
+from lab_helpers.mesure_memoire import (
+    BLOCK_STATES, DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
+    TIMELINE_KIND, AllocatorModel, CommandParser, LabError, check_allocator_snapshot, check_new_output,
+    is_byte_count, now_us, oom_snapshot_document, timeline_from_snapshot, write_new_bytes)
+from lab_helpers.mesure_memoire import TIMELINE_ACTIONS as ACTIONS, TIMELINE_COLUMNS as COLUMNS
+# <<< library only
+
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(ACTIONS))
-COLUMNS = ("time_us", "action", "address", "size_bytes", "phase")
-NO_PHASE = -1  # an event between two phases (or outside all of them)
 MIB = 2**20
 # Files are read whole into memory before parsing; a larger file is refused unread.
 MAX_FILE_BYTES = 256 * MIB
-DEFAULT_MAX_ENTRIES = 1_000_000  # ring buffer of the allocator's history; older entries are dropped
-# The caching allocator's rules (default PYTORCH_CUDA_ALLOC_CONF), as c10's CUDACachingAllocator has them.
-MIN_BLOCK_BYTES = 512  # every request rounds up to a multiple of 512 bytes
-SMALL_REQUEST_MAX_BYTES = MIB  # up to 1 MiB: small pool, 2 MiB segments
-SMALL_SEGMENT_BYTES = 2 * MIB
-LARGE_SEGMENT_BYTES = 20 * MIB  # large requests under 10 MiB share 20 MiB segments
-MIN_LARGE_ALLOC_BYTES = 10 * MIB  # from 10 MiB a segment is the request rounded up to 2 MiB
-ROUND_LARGE_BYTES = 2 * MIB
 EXPANDABLE_PAGE_BYTES = 2 * MIB  # expandable segments map device memory in 2 MiB pages
-BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
-EXIT_OK, EXIT_USAGE = 0, 2
-
-
-class TimelineError(Exception):
-    """A bad file, argument or device state, told in one line."""
-
-
-# ------------------------------------------------------------------ command-line plumbing
-# Stand-ins, same names and behaviour, for mesure_memoire's public CommandParser and
-# write_new_bytes: replace these two definitions by an import from there.
-class CommandParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def write_new_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` whole or not at all; refuse if `path` exists."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise TimelineError(f"folder {path.parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise TimelineError(f"cannot write in {path.parent}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(tmp, path)  # atomic and exclusive: fails if the name was taken meanwhile
-    except FileExistsError:
-        raise TimelineError(f"{path} already exists; choose a new file name") from None
-    finally:
-        os.unlink(tmp)
+SMALL_REQUEST_MAX_BYTES = MIB  # up to 1 MiB: the small pool
+PENDING_FREE_STATES = ("active_pending_free", "active_awaiting_free")
+TimelineError = LabError  # the name this module's callers catch: a bad file, argument or device state
+# The caching allocator's rounding rules, one copy: mesure_memoire's model of the allocator.
+round_request = AllocatorModel.round_size
+segment_bytes_for = AllocatorModel.segment_size
+_is_count = is_byte_count
+_check_snapshot = check_allocator_snapshot
 
 
 # ------------------------------------------------------------------ reading files safely
@@ -171,66 +132,11 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
     return wrapped
 
 
-MAX_COUNT = 2**63 - 1  # addresses, sizes and times are int64 in c10; larger numbers are not real
-
-
-def _is_count(value) -> bool:
-    return type(value) is int and 0 <= value <= MAX_COUNT
-
-
-def _check_snapshot(snapshot, where) -> None:
-    """Validate the parts of a torch snapshot the lab reads: segments, blocks, trace entries."""
-    if not isinstance(snapshot, dict):
-        raise TimelineError(f"{where}: the snapshot is not a dict")
-    segments = snapshot.get("segments")
-    if not isinstance(segments, list):
-        raise TimelineError(f"{where}: the snapshot has no 'segments' list")
-    for i, segment in enumerate(segments):
-        if not isinstance(segment, dict):
-            raise TimelineError(f"{where}: segment {i} is not a dict")
-        for key in ("address", "total_size"):
-            if not _is_count(segment.get(key)):
-                raise TimelineError(f"{where}: segment {i} '{key}' is not a whole number >= 0")
-        if segment.get("segment_type", "large") not in ("small", "large"):
-            raise TimelineError(f"{where}: segment {i} 'segment_type' is not small or large")
-        blocks = segment.get("blocks")
-        if not isinstance(blocks, list):
-            raise TimelineError(f"{where}: segment {i} has no 'blocks' list")
-        total = 0
-        for j, block in enumerate(blocks):
-            if not isinstance(block, dict) or not _is_count(block.get("size")):
-                raise TimelineError(f"{where}: segment {i} block {j} has no whole 'size'")
-            if block.get("state") not in BLOCK_STATES:
-                raise TimelineError(f"{where}: segment {i} block {j} state {block.get('state')!r} is unknown")
-            total += block["size"]
-        if total != segment["total_size"]:
-            raise TimelineError(f"{where}: segment {i} blocks add up to {total} bytes, "
-                                f"not its total_size {segment['total_size']}")
-    traces = snapshot.get("device_traces", [])
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise TimelineError(f"{where}: 'device_traces' is not a list of lists")
-    for d, trace in enumerate(traces):
-        for k, entry in enumerate(trace):
-            if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
-                raise TimelineError(f"{where}: device {d} trace entry {k} has no 'action'")
-            if not _is_count(entry.get("size")):
-                raise TimelineError(f"{where}: device {d} trace entry {k} has no whole 'size'")
-
-
 # ------------------------------------------------------------------ recording on the GPU
 def _require_cuda(torch, what: str) -> None:
     if not torch.cuda.is_available():
         raise TimelineError(f"{what} unavailable: no CUDA/ROCm device visible to this torch "
                             f"({torch.__version__})")
-
-
-def now_us() -> int:
-    """The clock of the allocator's trace (``time_us``): Unix time in microseconds.
-
-    c10 stamps each entry with a TSC reading converted to CLOCK_REALTIME, so phase marks taken with
-    this function line up with the trace to within the converter's error (microseconds).
-    """
-    return time.time_ns() // 1000
 
 
 def record_history(torch, device, max_entries: int = DEFAULT_MAX_ENTRIES, stacks=None) -> None:
@@ -271,17 +177,6 @@ def stop_history(torch, device) -> dict:
     return snapshot
 
 
-def _strip_frames(snapshot: dict) -> dict:
-    """The snapshot without tracebacks (they are most of its size and none of the explanation)."""
-    segments = [{**{k: v for k, v in s.items() if k != "frames"},
-                 "blocks": [{k: v for k, v in b.items() if k != "frames"} for b in s.get("blocks", [])]}
-                for s in snapshot.get("segments", [])]
-    traces = [[{k: v for k, v in e.items() if k in ("action", "addr", "size", "stream", "time_us",
-                                                      "device_free")} for e in trace]
-              for trace in snapshot.get("device_traces", [])]
-    return {"segments": segments, "device_traces": traces}
-
-
 def save_oom_snapshot(torch, path, failed_request_bytes, device=None) -> dict:
     """On out-of-memory: write the allocator's state to a new lab JSON file for ``explain``.
 
@@ -289,137 +184,10 @@ def save_oom_snapshot(torch, path, failed_request_bytes, device=None) -> dict:
     tracebacks, writes exclusively (an existing file is refused). Returns the document.
     """
     _require_cuda(torch, "out-of-memory snapshot")
-    if failed_request_bytes is not None and not _is_count(failed_request_bytes):
-        raise TimelineError(f"failed_request_bytes must be a whole number >= 0, got {failed_request_bytes!r}")
     device = _cuda_device(torch, device if device is not None else f"cuda:{torch.cuda.current_device()}")
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    document = {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": str(device),
-                "failed_request_bytes": failed_request_bytes, "device_free_bytes": int(free_bytes),
-                "device_total_bytes": int(total_bytes),
-                "snapshot": _strip_frames(torch.cuda.memory._snapshot(device))}
+    document = oom_snapshot_document(torch, device, failed_request_bytes)
     write_new_bytes(path, (json.dumps(document) + "\n").encode("utf-8"))
     return document
-
-
-# ------------------------------------------------------------------ snapshot -> timeline
-def _phase_marks(phase_marks) -> list:
-    """Validate (name, index, start_us, end_us) marks: in order, not overlapping."""
-    phases = []
-    for i, mark in enumerate(phase_marks):
-        if not isinstance(mark, (list, tuple)) or len(mark) != 4:
-            raise TimelineError(f"phase mark {i} is not (name, index, start_us, end_us)")
-        name, index, start, end = mark
-        if not isinstance(name, str) or not name:
-            raise TimelineError(f"phase mark {i}: the name must be a non-empty string")
-        if index is not None and not _is_count(index):
-            raise TimelineError(f"phase mark {i}: the index must be None or a whole number >= 0")
-        if not (type(start) is int and type(end) is int and start <= end):
-            raise TimelineError(f"phase mark {i}: start_us and end_us must be whole numbers, start <= end")
-        if phases and start < phases[-1][3]:
-            raise TimelineError(f"phase mark {i} starts before phase mark {i - 1} ends")
-        phases.append((name, index, start, end))
-    return phases
-
-
-def _device_trace(snapshot: dict, device) -> tuple:
-    traces = snapshot.get("device_traces", [])
-    if device is None:
-        used = [d for d, trace in enumerate(traces) if trace]
-        if len(used) > 1:
-            raise TimelineError(f"the snapshot has traces for devices {used}; choose one")
-        device = used[0] if used else 0
-    if type(device) is not int or device < 0:
-        raise TimelineError(f"device must be a device index >= 0, got {device!r}")
-    return device, (traces[device] if device < len(traces) else [])
-
-
-def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, labels=None) -> dict:
-    """Turn ``torch.cuda.memory._snapshot()`` into the lab's columnar timeline.
-
-    `phase_marks`: (name, index, start_us, end_us) on the trace's clock (``now_us``); each event
-    falls in the phase whose [start, end] holds its time, else -1. Tensor sizes are the trace's
-    requested bytes rounded up to 512, the allocator's block size (a large block that kept an
-    unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
-    ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
-    recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
-    the snapshot ends with. `labels`: {address: label} stored on the matching alloc events.
-    """
-    _check_snapshot(snapshot, "snapshot")
-    phases = _phase_marks(phase_marks)
-    device, trace = _device_trace(snapshot, device)
-    codes = {"alloc": ALLOC, "segment_alloc": SEGMENT_ALLOC, "segment_free": SEGMENT_FREE,
-             "segment_map": SEGMENT_MAP, "segment_unmap": SEGMENT_UNMAP}
-    times, actions, addresses, sizes, ooms = [], [], [], [], []
-    requested = set()  # addresses whose free_requested was recorded since their alloc
-    for k, entry in enumerate(trace):
-        action, size = entry["action"], entry["size"]
-        when = entry.get("time_us")
-        if type(when) is not int:
-            raise TimelineError(f"trace entry {k} has no whole 'time_us' (torch 2.1 or newer records it)")
-        if action == "oom":
-            if entry.get("device_free") is not None and not _is_count(entry.get("device_free")):
-                raise TimelineError(f"trace entry {k} (oom) has a 'device_free' that is not a whole number")
-            ooms.append({"time_us": when, "size_bytes": size, "device_free_bytes": entry.get("device_free")})
-            continue
-        if action == "snapshot":
-            continue
-        address = entry.get("addr")
-        if not _is_count(address):
-            raise TimelineError(f"trace entry {k} ({action}) has no whole 'addr'")
-        if action == "free_requested":
-            requested.add(address)
-            code = FREE
-        elif action == "free_completed":
-            if address in requested:
-                requested.discard(address)
-                continue
-            code = FREE
-        elif action in codes:
-            code = codes[action]
-            if code == ALLOC:
-                requested.discard(address)
-        else:
-            raise TimelineError(f"trace entry {k} has an unknown action {action!r}")
-        times.append(when)
-        actions.append(code)
-        addresses.append(address)
-        # the trace records a tensor's requested bytes; its block (what `allocated` counts) is rounded
-        sizes.append(round_request(size) if code in (ALLOC, FREE) else size)
-    starts = [p[2] for p in phases]
-    origin = min(times[:1] + starts[:1] + [o["time_us"] for o in ooms[:1]] or [0])
-    if any(b < a for a, b in zip(times, times[1:])):
-        raise TimelineError("the trace's times go backwards")
-    phase_column = _assign_phases(times, phases)
-    segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
-    end_reserved = sum(s["total_size"] for s in segments)
-    end_allocated = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
-    net_allocated = sum(s if a == ALLOC else -s for a, s in zip(actions, sizes) if a in (ALLOC, FREE))
-    net_reserved = sum(s if a in (SEGMENT_ALLOC, SEGMENT_MAP) else -s
-                       for a, s in zip(actions, sizes) if a >= SEGMENT_ALLOC)
-    events = {"time_us": [t - origin for t in times], "action": actions, "address": addresses,
-              "size_bytes": sizes, "phase": phase_column}
-    if labels:
-        events["label"] = [labels.get(a) if c == ALLOC else None for a, c in zip(addresses, actions)]
-    timeline = {
-        "kind": TIMELINE_KIND, "schema_version": SCHEMA_VERSION, "device": f"cuda:{device}",
-        "time_origin_us": origin, "actions": list(ACTIONS),
-        "initial_allocated_bytes": max(0, end_allocated - net_allocated),
-        "initial_reserved_bytes": max(0, end_reserved - net_reserved),
-        "events": events,
-        "phases": [{"name": n, "index": i, "start_us": s - origin, "end_us": e - origin} for n, i, s, e in phases],
-        "ooms": [{**o, "time_us": o["time_us"] - origin} for o in ooms],
-    }
-    check_timeline(timeline)
-    return timeline
-
-
-def _assign_phases(times: list, phases: list) -> list:
-    starts = [p[2] for p in phases]
-    column = []
-    for t in times:
-        k = bisect.bisect_right(starts, t) - 1
-        column.append(k if k >= 0 and t <= phases[k][3] else NO_PHASE)
-    return column
 
 
 # ------------------------------------------------------------------ the timeline file
@@ -683,20 +451,6 @@ def render_png(timeline, **options) -> bytes:
 
 
 # ------------------------------------------------------------------ out-of-memory explainer
-def round_request(request_bytes: int) -> int:
-    """Bytes the allocator looks for: the request rounded up to 512, at least 512."""
-    return max(MIN_BLOCK_BYTES, -(-request_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
-
-
-def segment_bytes_for(rounded: int) -> int:
-    """Bytes a new segment for a rounded request takes from the device (default settings)."""
-    if rounded <= SMALL_REQUEST_MAX_BYTES:
-        return SMALL_SEGMENT_BYTES
-    if rounded < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_SEGMENT_BYTES
-    return -(-rounded // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
-
-
 def _last_oom(snapshot: dict):
     found = None
     for device, trace in enumerate(snapshot.get("device_traces", [])):
@@ -740,7 +494,7 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
             "address": s["address"], "segment_type": s.get("segment_type", "large"),
             "stream": s.get("stream"), "total_size_bytes": s["total_size"],
             "allocated_bytes": sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated"),
-            "pending_free_bytes": sum(b["size"] for b in s["blocks"] if b["state"] == "active_pending_free"),
+            "pending_free_bytes": sum(b["size"] for b in s["blocks"] if b["state"] in PENDING_FREE_STATES),
             "free_bytes": sum(free_sizes), "largest_free_block_bytes": max(free_sizes, default=0),
             "free_blocks": len(free_sizes),
             "tail_free_bytes": last["size"] if last is not None and last["state"] == "inactive" else 0,
@@ -905,18 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_existing(output) -> None:
-    output = Path(output)
-    if output.exists() or output.is_symlink():
-        raise TimelineError(f"{output} already exists; choose a new file name")
-    if not output.parent.is_dir():
-        raise TimelineError(f"folder {output.parent} does not exist")
-
-
 def run_command(args):
     """Execute one parsed command; return text to print."""
     if args.command == "plot":
-        _refuse_existing(args.output)
+        check_new_output(args.output)
         timeline = load_timeline(args.timeline, args.max_file_bytes, check=False)
         try:  # the plot validates the timeline once
             png = render_png(timeline, top=args.top, bins=args.bins)
@@ -932,7 +678,7 @@ def run_command(args):
             args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"])
         return json.dumps(result, indent=2) if args.format == "json" else explanation_table(result)
     if args.command == "convert":
-        _refuse_existing(args.output)
+        check_new_output(args.output)
         marks = []
         if args.phases is not None:
             marks = _parse_json(read_bounded(args.phases, args.max_file_bytes), args.phases)
@@ -940,6 +686,7 @@ def run_command(args):
                 raise TimelineError(f"{args.phases} must hold a JSON list of phase marks")
         timeline = timeline_from_snapshot(load_snapshot(args.snapshot, args.max_file_bytes)["snapshot"],
                                           marks, device=args.device)
+        check_timeline(timeline)
         write_new_bytes(args.output, (json.dumps(timeline, separators=(",", ":")) + "\n").encode("utf-8"))
         return json.dumps({"output": str(args.output), "events": len(timeline["events"]["time_us"]),
                            "phases": len(timeline["phases"])}, indent=2)
