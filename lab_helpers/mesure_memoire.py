@@ -491,6 +491,8 @@ MEASUREMENT_SCHEMA = {
                 "peak_reserved_bytes": _BYTES,
                 "achieved_tflops": {"type": "number", "exclusiveMinimum": 0},
                 "host_to_device_time_ratio": {"type": "number", "exclusiveMinimum": 0},
+                # kind -> bytes (weights, inputs, workspace, activations, kv_cache...): a prediction's split
+                "end_allocated_bytes_by_kind": {"type": "object"},
             },
         },
     },
@@ -1473,9 +1475,13 @@ class AllocatorModel:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
 
+ALLOCATION_KINDS = ("weights", "inputs", "workspace", "activations")
+
+
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
-    """Predict allocated and reserved bytes per phase, from the allocator's rules alone."""
+    """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
+    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS."""
     c = config
     hidden = c.hidden_features
     workspace_bytes = tuple(workspace_bytes)
@@ -1488,6 +1494,18 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     alloc = AllocatorModel()
     live = {}
     phases = []
+    held = dict.fromkeys(ALLOCATION_KINDS, 0)  # allocated bytes per kind, as the allocator counts them
+    kind_of = {}
+
+    def malloc(size, kind):
+        block = alloc.malloc(size)
+        kind_of[block] = kind
+        held[kind] += block.size
+        return block
+
+    def free(block):
+        held[kind_of.pop(block)] -= block.size  # before free(): merging grows the block
+        alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
@@ -1498,22 +1516,23 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
             "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
             "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+            "end_allocated_bytes_by_kind": dict(held),
         })
 
     def load_model():
         for shape in synthetic_model(c)["parameter_shapes"].values():
-            alloc.malloc(math.prod(shape) * element)
+            malloc(math.prod(shape) * element, "weights")
 
     def forward():
         # nn.Linear on a contiguous 3-D input is one addmm: its output comes first,
         # then the math library's workspace on the very first product
-        first = alloc.malloc(tokens * hidden * element)
+        first = malloc(tokens * hidden * element, "activations")
         if not live.get("workspace"):
-            live["workspace"] = [alloc.malloc(size) for size in workspace_bytes]
-        activated = alloc.malloc(tokens * hidden * element)  # GELU output
-        alloc.free(first)  # Sequential drops the first output once GELU has returned
-        output = alloc.malloc(tokens * c.width * element)
-        alloc.free(activated)
+            live["workspace"] = [malloc(size, "workspace") for size in workspace_bytes]
+        activated = malloc(tokens * hidden * element, "activations")  # GELU output
+        free(first)  # Sequential drops the first output once GELU has returned
+        output = malloc(tokens * c.width * element, "activations")
+        free(activated)
         return output
 
     def measured_forward():
@@ -1521,16 +1540,16 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
 
     def warmup():
         for _ in range(c.warmup):
-            alloc.free(forward())
+            free(forward())
 
     phase("model_load", load_model)
-    phase("inputs", lambda: alloc.malloc(tokens * c.width * element))
+    phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
     phase("cold_forward", measured_forward, passes=1)
-    alloc.free(live.pop("output"))
+    free(live.pop("output"))
     phase("warmup", warmup, passes=c.warmup)
     for repeat in range(c.repeats):
         phase("warm_forward", measured_forward, index=repeat, passes=1)
-        alloc.free(live.pop("output"))
+        free(live.pop("output"))
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
@@ -1870,7 +1889,7 @@ def run_command(args) -> dict:
         history = HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
     elif args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
         raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
-    document = measure(config, history)
+    document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
     result = {"output": display_path(args.output), "phases": len(document["phases"])}
     if history is not None:

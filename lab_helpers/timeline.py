@@ -25,18 +25,17 @@ from pathlib import Path
 
 # >>> library only
 from lab_helpers.mesure_memoire import (
-    BLOCK_STATES, DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
-    TIMELINE_KIND, AllocatorModel, CommandParser, LabError, check_allocator_snapshot, check_new_output,
-    is_byte_count, now_us, oom_snapshot_document, timeline_from_snapshot, write_new_bytes)
-from lab_helpers.mesure_memoire import TIMELINE_ACTIONS as ACTIONS, TIMELINE_COLUMNS as COLUMNS
+    DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, MIB, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
+    SMALL_REQUEST_MAX_BYTES, TIMELINE_ACTIONS, TIMELINE_COLUMNS, TIMELINE_KIND, AllocatorModel, CommandParser,
+    LabError, check_allocator_snapshot, check_new_output, is_byte_count, now_us, oom_snapshot_document,
+    timeline_from_snapshot, write_new_bytes)
 # <<< library only
 
+ACTIONS, COLUMNS = TIMELINE_ACTIONS, TIMELINE_COLUMNS
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(ACTIONS))
-MIB = 2**20
 # Files are read whole into memory before parsing; a larger file is refused unread.
 MAX_FILE_BYTES = 256 * MIB
 EXPANDABLE_PAGE_BYTES = 2 * MIB  # expandable segments map device memory in 2 MiB pages
-SMALL_REQUEST_MAX_BYTES = MIB  # up to 1 MiB: the small pool
 PENDING_FREE_STATES = ("active_pending_free", "active_awaiting_free")
 TimelineError = LabError  # the name this module's callers catch: a bad file, argument or device state
 # The caching allocator's rounding rules, one copy: mesure_memoire's model of the allocator.
