@@ -26,7 +26,7 @@ from pathlib import Path
 # >>> library only
 from lab_helpers.mesure_memoire import (
     DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, MIB, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
-    SMALL_REQUEST_MAX_BYTES, TIMELINE_ACTIONS, TIMELINE_COLUMNS, TIMELINE_KIND, AllocatorModel, CommandParser,
+    LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES, SMALL_SEGMENT_BYTES, TIMELINE_ACTIONS, TIMELINE_COLUMNS, TIMELINE_KIND, AllocatorModel, CommandParser,
     LabError, check_allocator_snapshot, check_new_output, is_byte_count, now_us, oom_snapshot_document,
     timeline_from_snapshot, write_new_bytes)
 # <<< library only
@@ -35,7 +35,9 @@ ACTIONS, COLUMNS = TIMELINE_ACTIONS, TIMELINE_COLUMNS
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(ACTIONS))
 # Files are read whole into memory before parsing; a larger file is refused unread.
 MAX_FILE_BYTES = 256 * MIB
-EXPANDABLE_PAGE_BYTES = 2 * MIB  # expandable segments map device memory in 2 MiB pages
+# Expandable segments map device memory in pages of the pool's segment size (c10:
+# kSmallBuffer 2 MiB for the small pool, kLargeBuffer 20 MiB for the large one).
+EXPANDABLE_PAGE_BYTES = {"small": SMALL_SEGMENT_BYTES, "large": LARGE_SEGMENT_BYTES}
 PENDING_FREE_STATES = ("active_pending_free", "active_awaiting_free")
 TimelineError = LabError  # the name this module's callers catch: a bad file, argument or device state
 # The caching allocator's rounding rules, one copy: mesure_memoire's model of the allocator.
@@ -109,22 +111,24 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
     """Read an out-of-memory snapshot: the lab's JSON file or a ``_dump_snapshot`` pickle.
 
     Returns ``{"snapshot": torch-format dict, "failed_request_bytes": int|None,
-    "device_free_bytes": int|None}``. Pickles are loaded with classes refused.
+    "device_free_bytes": int|None, "process_limit_bytes": int|None}``. Pickles are loaded with classes refused.
     """
     data = read_bounded(path, max_bytes)
     if data[:1] == b"\x80":  # pickle protocol 2+ starts with PROTO
         document = _parse_pickle(data, path)
         if not isinstance(document, dict):
             raise TimelineError(f"{path} holds a {type(document).__name__}, not a snapshot dict")
-        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None}
+        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None,
+                   "process_limit_bytes": None}
     else:
         document = _parse_json(data, path)
         if not isinstance(document, dict) or document.get("kind") != OOM_SNAPSHOT_KIND:
             raise TimelineError(f"{path} is not an {OOM_SNAPSHOT_KIND} file or a torch snapshot pickle")
         if document.get("schema_version") != SCHEMA_VERSION:
             raise TimelineError(f"{path}: unsupported schema_version {document.get('schema_version')!r}")
-        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes")}
-        for key in ("failed_request_bytes", "device_free_bytes"):
+        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes",
+                                                      "process_limit_bytes")}
+        for key in ("failed_request_bytes", "device_free_bytes", "process_limit_bytes"):
             if wrapped[key] is not None and not _is_count(wrapped[key]):
                 raise TimelineError(f"{path}: {key} must be a whole number of bytes >= 0")
     _check_snapshot(wrapped["snapshot"], path)
@@ -459,15 +463,20 @@ def _last_oom(snapshot: dict):
     return found
 
 
-def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_bytes=None) -> dict:
+def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_bytes=None,
+                     process_limit_bytes=None) -> dict:
     """Why an allocation failed, from the allocator's segments: numbers, a verdict and remedies.
 
     The request is `failed_request_bytes`, else the last ``oom`` trace entry's size; the device's
-    free bytes `device_free_bytes`, else that entry's ``device_free``. A request can only use free
-    blocks of its own pool (small: up to 1 MiB; large) and stream.
+    free bytes `device_free_bytes`, else that entry's ``device_free``. `process_limit_bytes`: the
+    cap ``torch.cuda.set_per_process_memory_fraction`` set (fraction x total memory), under which
+    reserved bytes must stay; what the allocator can still take is ``available_bytes``, the smaller
+    of the device's free bytes and the room under the cap. A request can only use free blocks of
+    its own pool (small: up to 1 MiB; large) and stream.
     """
     _check_snapshot(snapshot, "snapshot")
-    for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes)):
+    for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes),
+                        ("process_limit_bytes", process_limit_bytes)):
         if value is not None and not _is_count(value):
             raise TimelineError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
     oom = _last_oom(snapshot)
@@ -489,6 +498,8 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
     for s in sorted(segments, key=lambda s: s["address"]):
         free_sizes = [b["size"] for b in s["blocks"] if b["state"] == "inactive"]
         last = s["blocks"][-1] if s["blocks"] else None
+        page = EXPANDABLE_PAGE_BYTES[s.get("segment_type", "large")]
+        inner = [b["size"] for b in s["blocks"] if b["state"] == "inactive" and b is not last]
         rows.append({
             "address": s["address"], "segment_type": s.get("segment_type", "large"),
             "stream": s.get("stream"), "total_size_bytes": s["total_size"],
@@ -497,6 +508,7 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
             "free_bytes": sum(free_sizes), "largest_free_block_bytes": max(free_sizes, default=0),
             "free_blocks": len(free_sizes),
             "tail_free_bytes": last["size"] if last is not None and last["state"] == "inactive" else 0,
+            "inner_free_page_bytes": sum(size // page * page for size in inner),
             "wholly_free": bool(s["blocks"]) and len(free_sizes) == len(s["blocks"]),
             "usable": s.get("segment_type", "large") == pool and (stream is None or s.get("stream", stream) == stream),
         })
@@ -504,10 +516,15 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
     reserved_free = sum(r["free_bytes"] for r in rows)
     usable_free = sum(r["free_bytes"] for r in usable)
     usable_largest = max((r["largest_free_block_bytes"] for r in usable), default=0)
+    reserved = sum(r["total_size_bytes"] for r in rows)
+    room = None if process_limit_bytes is None else max(0, process_limit_bytes - reserved)
+    available = device_free_bytes if room is None else room if device_free_bytes is None \
+        else min(device_free_bytes, room)
     result = {
         "request_bytes": failed_request_bytes, "rounded_request_bytes": rounded, "pool": pool,
         "stream": stream, "segment_bytes_needed": needed_segment, "device_free_bytes": device_free_bytes,
-        "reserved_bytes": sum(r["total_size_bytes"] for r in rows),
+        "process_limit_bytes": process_limit_bytes, "available_bytes": available,
+        "reserved_bytes": reserved,
         "allocated_bytes": sum(r["allocated_bytes"] for r in rows),
         "pending_free_bytes": sum(r["pending_free_bytes"] for r in rows),
         "reserved_free_bytes": reserved_free,
@@ -523,7 +540,7 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
 
 
 def _verdict(r: dict) -> str:
-    rounded, free = r["rounded_request_bytes"], r["device_free_bytes"]
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
     if r["usable_largest_free_block_bytes"] >= rounded or (free is not None and free >= r["segment_bytes_needed"]):
         return "fits_now"  # this state would serve the request: the snapshot is not the failing moment
     if free is None:
@@ -536,27 +553,35 @@ def _verdict(r: dict) -> str:
 
 
 def _expandable(r: dict, usable: list) -> dict:
-    """With expandable segments, a segment grows at its end: its tail free block plus new pages."""
-    rounded, free = r["rounded_request_bytes"], r["device_free_bytes"]
+    """With expandable segments, a segment grows at its end in pages (its tail free block plus new
+    pages), and before it gives up the allocator unmaps the whole pages of free blocks inside
+    segments (release_cached_blocks), which returns their memory for the new pages."""
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
+    page = EXPANDABLE_PAGE_BYTES[r["pool"]]
     tail = max((row["tail_free_bytes"] for row in usable), default=0)
-    missing = max(0, rounded - max(tail, r["usable_largest_free_block_bytes"]))
-    pages = -(-missing // EXPANDABLE_PAGE_BYTES) * EXPANDABLE_PAGE_BYTES
-    fits = missing == 0 or (free is not None and pages <= free)
-    return {"largest_tail_free_bytes": tail, "device_bytes_to_map": pages,
-            "would_fit": None if free is None and missing else fits,
+    reclaim = sum(row["inner_free_page_bytes"] for row in usable)
+    # only a segment's tail can grow; a hole inside serves the request only if it is large enough
+    missing = 0 if r["usable_largest_free_block_bytes"] >= rounded else rounded - tail
+    pages = -(-missing // page) * page
+    if missing == 0 or pages <= reclaim:
+        fits = True
+    else:
+        fits = None if free is None else pages <= free + reclaim
+    return {"page_bytes": page, "largest_tail_free_bytes": tail, "device_bytes_to_map": pages,
+            "unmappable_free_page_bytes": reclaim, "would_fit": fits,
             "explanation": (
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets a segment grow in "
-                f"{EXPANDABLE_PAGE_BYTES // MIB} MiB pages: the free block at a segment's end "
-                f"({tail} bytes at best here) plus {pages} bytes of new pages would hold the request; "
-                "holes inside segments or in separate segments still cannot be joined. Set it before "
-                "the first CUDA allocation: the layout then differs from this snapshot's, so this is "
-                "an estimate.")}
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets a segment grow at its end in "
+                f"{page // MIB} MiB pages: the free block at a segment's end ({tail} bytes at best here) "
+                f"plus {pages} bytes of new pages would hold the request, and the whole pages of free "
+                f"blocks inside segments ({reclaim} bytes here) are unmapped to make room for them. Set "
+                "it before the first CUDA allocation: the layout then differs from this snapshot's, so "
+                "this is an estimate.")}
 
 
 def _empty_cache(r: dict, rows: list) -> dict:
     """empty_cache() returns wholly free segments to the device; partly used ones stay."""
     released = sum(row["total_size_bytes"] for row in rows if row["wholly_free"])
-    free = r["device_free_bytes"]
+    free = r["available_bytes"]
     after = None if free is None else free + released
     stuck = r["reserved_free_bytes"] - released
     return {"released_bytes": released, "device_free_after_bytes": after,
@@ -580,6 +605,9 @@ def _summary(r: dict) -> list:
              f"the largest block {r['usable_largest_free_block_bytes']}.",
              "Device free: unknown." if r["device_free_bytes"] is None
              else f"Device free (outside PyTorch's cache): {r['device_free_bytes']} bytes."]
+    if r["process_limit_bytes"] is not None:
+        lines.append(f"This process may reserve at most {r['process_limit_bytes']} bytes "
+                     f"(set_per_process_memory_fraction): {r['available_bytes']} more bytes can be taken.")
     verdicts = {
         "fragmentation": "Verdict: FRAGMENTATION. Enough bytes are free in total, but no single free block "
                          "holds the request and the device cannot give a new segment.",
@@ -645,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "json"), default="table", help="sentences and a table for people, or JSON (default table)")
     p.add_argument("--failed-request-bytes", type=_non_negative_int, default=None, help="the request that failed, when the file does not say")
     p.add_argument("--device-free-bytes", type=_non_negative_int, default=None, help="the device's free bytes at the failure, when the file does not say")
+    p.add_argument("--process-limit-bytes", type=_non_negative_int, default=None, help="the cap set_per_process_memory_fraction put on this process's reserved bytes, when the file does not say")
     p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=size_help)
     p = sub.add_parser("convert", help="turn a torch snapshot (pickle or the lab's JSON) into a timeline file")
     p.add_argument("snapshot", help="torch.cuda.memory._dump_snapshot pickle or the lab's oom snapshot JSON")
@@ -674,7 +703,8 @@ def run_command(args):
         result = explain_snapshot(
             loaded["snapshot"],
             args.failed_request_bytes if args.failed_request_bytes is not None else loaded["failed_request_bytes"],
-            args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"])
+            args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"],
+            args.process_limit_bytes if args.process_limit_bytes is not None else loaded["process_limit_bytes"])
         return json.dumps(result, indent=2) if args.format == "json" else explanation_table(result)
     if args.command == "convert":
         check_new_output(args.output)
