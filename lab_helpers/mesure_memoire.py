@@ -1205,8 +1205,8 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
     unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
     ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
     recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
-    the snapshot ends with. `labels`: {address: label} stored on the matching alloc events (the
-    address's every allocation). `stacks`: keep each allocation's innermost frames (column
+    the snapshot ends with. `labels`: {address: label} stored on the last alloc event at that
+    address (the tensor made there last: an address is reused once its block is free). `stacks`: keep each allocation's innermost frames (column
     ``frames``). lab_helpers.timeline.check_timeline validates the result.
     """
     check_allocator_snapshot(snapshot, "snapshot")
@@ -1269,7 +1269,10 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
     events = {"time_us": [t - origin for t in times], "action": actions, "address": addresses,
               "size_bytes": sizes, "phase": phase_column}
     if labels:
-        events["label"] = [labels.get(a) if c == ALLOC else None for a, c in zip(addresses, actions)]
+        # an address is reused once its block is free: the label names the last tensor made there
+        last = {a: k for k, (a, c) in enumerate(zip(addresses, actions)) if c == ALLOC and a in labels}
+        marked = {k: labels[a] for a, k in last.items()}
+        events["label"] = [marked.get(k) for k in range(len(addresses))]
     if stacks:
         events["frames"] = frames
     return {
@@ -1910,7 +1913,11 @@ def _save_oom_snapshot(timeline_path, error: PhaseError) -> str:
         return "" if error.reason != "out_of_memory" else "; no out-of-memory snapshot"
     path = oom_snapshot_path(timeline_path)
     try:
-        write_new_text(path, json.dumps(error.oom_snapshot, separators=(",", ":"), allow_nan=False) + "\n")
+        text = json.dumps(error.oom_snapshot, separators=(",", ":"), allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:  # a snapshot field that is not plain data
+        return f"; out-of-memory snapshot not written: {_safe_reason(exc)}"
+    try:
+        write_new_text(path, text)
     except LabError as write_error:
         return f"; out-of-memory snapshot not written: {write_error}"
     return f"; out-of-memory snapshot: {display_path(path)}"

@@ -726,3 +726,10 @@ def test_plot_bytes_by_kind_bars_and_markers():
     bad["phases"][0]["end_allocated_bytes_by_kind"]["weights"] += 1
     with pytest.raises(mm.LabError, match="adds up to"):
         plots.plot_bytes_by_kind(bad)
+
+
+def test_a_label_names_the_last_tensor_made_at_its_address():
+    snapshot, marks = traced_snapshot()
+    labels = mm.timeline_from_snapshot(snapshot, marks, labels={BASE: "workspace"})["events"]["label"]
+    # BASE held a 4 MiB tensor (freed at 30 us), then the 2 MiB one made at 40 us that is still alive
+    assert labels == [None, None, None, None, "workspace", None, None, None]
