@@ -1814,7 +1814,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline-stacks", action="store_true",
                    help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
                         f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
-    p.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES),
+    p.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
                    default=DEFAULT_MAX_ENTRIES,
                    help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
     p = command("predict")
