@@ -67,6 +67,8 @@ class PhaseError(Exception):
         memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
         self.reason = "out_of_memory" if memory else "cuda_error"
         self.message = f"{type(exc).__name__}: {first_line[:300]}"
+        self.oom_snapshot = None  # set by measure's HistoryRecorder on out-of-memory
+        self.oom_snapshot_problem = None
 
     def report(self) -> dict:
         """The structured failure that `measure --failure-report` writes."""
@@ -522,6 +524,8 @@ MEASUREMENT_SCHEMA = {
                 "peak_reserved_bytes": _BYTES,
                 "achieved_tflops": {"type": "number", "exclusiveMinimum": 0},
                 "host_to_device_time_ratio": {"type": "number", "exclusiveMinimum": 0},
+                # kind -> bytes (weights, inputs, workspace, activations, kv_cache...): a prediction's split
+                "end_allocated_bytes_by_kind": {"type": "object"},
             },
         },
     },
@@ -995,13 +999,16 @@ def _check_device(torch, config: MeasureConfig):
     return torch.device("cuda", config.device_index)
 
 
-def _phase(torch, device, name, action, index=None, passes=0):
-    """Run `action` as one phase; return (record, what action returned)."""
+def _phase(torch, device, name, action, index=None, passes=0, history=None):
+    """Run `action` as one phase; return (record, what action returned). With a HistoryRecorder
+    `history`, mark the phase on the trace's clock (between the synchronizations) and on failure
+    let it save the allocator's state."""
     torch.cuda.synchronize(device)
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_us = now_us()
     try:
         started = time.perf_counter()
         start.record()
@@ -1011,7 +1018,13 @@ def _phase(torch, device, name, action, index=None, passes=0):
         seconds = time.perf_counter() - started
         device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
     except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
-        raise PhaseError(name, exc) from None
+        error = PhaseError(name, exc)
+        if history is not None:
+            history.mark(name, index, start_us, now_us())
+            history.failure(torch, device, error)
+        raise error from None
+    if history is not None:
+        history.mark(name, index, start_us, now_us())
     stats = torch.cuda.memory_stats(device)
     record = {
         "phase": name, "index": index, "passes": passes,
@@ -1026,8 +1039,9 @@ def _phase(torch, device, name, action, index=None, passes=0):
     return record, result
 
 
-def measure(config: MeasureConfig) -> dict:
-    """Measure every phase on the GPU and return the measurement document."""
+def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> dict:
+    """Measure every phase on the GPU and return the measurement document. With a HistoryRecorder,
+    the allocator's history is recorded for the run and `history.timeline` holds the timeline."""
     torch = _import_torch()
     device = _check_device(torch, config)
     torch.cuda.set_device(device)
@@ -1059,19 +1073,31 @@ def measure(config: MeasureConfig) -> dict:
         for _ in range(config.warmup):
             forward()  # each output is released before the next pass
 
-    phases.append(_phase(torch, device, "model_load", load_model)[0])
-    phases.append(_phase(torch, device, "inputs", make_inputs)[0])
-    with torch.inference_mode():
-        record, output = _phase(torch, device, "cold_forward", forward, passes=1)
-        phases.append(record)
-        del output  # alive when the end was recorded, released before the next pass
-        phases.append(_phase(torch, device, "warmup", warmup, passes=config.warmup)[0])
-        for repeat in range(config.repeats):
-            record, output = _phase(torch, device, "warm_forward", forward, index=repeat, passes=1)
-            del output
-            record["achieved_tflops"] = model_info["forward_flops"] / record["device_seconds"] / 1e12
-            record["host_to_device_time_ratio"] = record["seconds"] / record["device_seconds"]
+    def run_phases():
+        phases.append(_phase(torch, device, "model_load", load_model, history=history)[0])
+        phases.append(_phase(torch, device, "inputs", make_inputs, history=history)[0])
+        with torch.inference_mode():
+            record, output = _phase(torch, device, "cold_forward", forward, passes=1, history=history)
             phases.append(record)
+            del output  # alive when the end was recorded, released before the next pass
+            phases.append(_phase(torch, device, "warmup", warmup, passes=config.warmup, history=history)[0])
+            for repeat in range(config.repeats):
+                record, output = _phase(torch, device, "warm_forward", forward, index=repeat, passes=1,
+                                        history=history)
+                del output
+                record["achieved_tflops"] = model_info["forward_flops"] / record["device_seconds"] / 1e12
+                record["host_to_device_time_ratio"] = record["seconds"] / record["device_seconds"]
+                phases.append(record)
+
+    if history is None:
+        run_phases()
+    else:
+        history.start(torch)
+        try:
+            run_phases()
+            history.finish(torch, device, state)
+        finally:
+            history.stop(torch)
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab measurement",
@@ -1090,6 +1116,323 @@ def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
         if not candidate.exists():
             return candidate
     raise LabError(f"no free file name for {stem} in {folder}")
+
+
+# ----------------------------------------------------------------- allocator timeline
+# The raw material of lab_helpers.timeline (plot, explain), recorded by `measure --timeline`. It
+# lives here so that this file alone can record it; lab_helpers.timeline imports these names.
+TIMELINE_KIND = "iteragpu-lab timeline"
+OOM_SNAPSHOT_KIND = "iteragpu-lab oom snapshot"
+# Event action codes of the columnar file, by position (schema version 1).
+TIMELINE_ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+TIMELINE_COLUMNS = ("time_us", "action", "address", "size_bytes", "phase")
+NO_PHASE = -1  # an event between two phases (or outside all of them)
+MAX_COUNT = 2**63 - 1  # addresses, sizes and times are int64 in c10; larger numbers are not real
+# c10 writes "active_pending_free"; torch's docstring calls it "active_awaiting_free"
+BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
+DEFAULT_MAX_ENTRIES = 1_000_000  # ring buffer of the allocator's history; older entries are dropped
+MAX_HISTORY_ENTRIES = 2**31 - 1
+STACK_FRAMES_KEPT = 12  # innermost frames kept per allocation with --timeline-stacks
+WEIGHTS_LABEL, INPUTS_LABEL, WORKSPACE_LABEL = "weights", "inputs", "workspace"
+
+
+def now_us() -> int:
+    """The clock of the allocator's trace (``time_us``): Unix time in microseconds.
+
+    c10 stamps each entry with a TSC reading converted to CLOCK_REALTIME, so phase marks taken with
+    this function line up with the trace to within the converter's error (microseconds)."""
+    return time.time_ns() // 1000
+
+
+def is_byte_count(value) -> bool:
+    """True for a whole number (not a bool) in [0, 2**63 - 1]: c10's sizes, addresses and times."""
+    return type(value) is int and 0 <= value <= MAX_COUNT
+
+
+def check_allocator_snapshot(snapshot, where) -> None:
+    """Validate the parts of a ``torch.cuda.memory._snapshot()`` dict the lab reads (segments,
+    blocks, trace entries); raise LabError naming `where` and the first fault."""
+    if not isinstance(snapshot, dict):
+        raise LabError(f"{where}: the snapshot is not a dict")
+    segments = snapshot.get("segments")
+    if not isinstance(segments, list):
+        raise LabError(f"{where}: the snapshot has no 'segments' list")
+    for i, segment in enumerate(segments):
+        if not isinstance(segment, dict):
+            raise LabError(f"{where}: segment {i} is not a dict")
+        for key in ("address", "total_size"):
+            if not is_byte_count(segment.get(key)):
+                raise LabError(f"{where}: segment {i} '{key}' is not a whole number >= 0")
+        if segment.get("segment_type", "large") not in ("small", "large"):
+            raise LabError(f"{where}: segment {i} 'segment_type' is not small or large")
+        blocks = segment.get("blocks")
+        if not isinstance(blocks, list):
+            raise LabError(f"{where}: segment {i} has no 'blocks' list")
+        total = 0
+        for j, block in enumerate(blocks):
+            if not isinstance(block, dict) or not is_byte_count(block.get("size")):
+                raise LabError(f"{where}: segment {i} block {j} has no whole 'size'")
+            if block.get("state") not in BLOCK_STATES:
+                raise LabError(f"{where}: segment {i} block {j} state {str(block.get('state'))[:40]!r} is unknown")
+            total += block["size"]
+        if total != segment["total_size"]:
+            raise LabError(f"{where}: segment {i} blocks add up to {total} bytes, "
+                           f"not its total_size {segment['total_size']}")
+    traces = snapshot.get("device_traces", [])
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise LabError(f"{where}: 'device_traces' is not a list of lists")
+    for d, trace in enumerate(traces):
+        for k, entry in enumerate(trace):
+            if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
+                raise LabError(f"{where}: device {d} trace entry {k} has no 'action'")
+            if not is_byte_count(entry.get("size")):
+                raise LabError(f"{where}: device {d} trace entry {k} has no whole 'size'")
+
+
+def _phase_marks(phase_marks) -> list:
+    """Validate (name, index, start_us, end_us) marks: in order, not overlapping."""
+    phases = []
+    for i, mark in enumerate(phase_marks):
+        if not isinstance(mark, (list, tuple)) or len(mark) != 4:
+            raise LabError(f"phase mark {i} is not (name, index, start_us, end_us)")
+        name, index, start, end = mark
+        if not isinstance(name, str) or not name:
+            raise LabError(f"phase mark {i}: the name must be a non-empty string")
+        if index is not None and not is_byte_count(index):
+            raise LabError(f"phase mark {i}: the index must be None or a whole number >= 0")
+        if not (type(start) is int and type(end) is int and start <= end):
+            raise LabError(f"phase mark {i}: start_us and end_us must be whole numbers, start <= end")
+        if phases and start < phases[-1][3]:
+            raise LabError(f"phase mark {i} starts before phase mark {i - 1} ends")
+        phases.append((name, index, start, end))
+    return phases
+
+
+def _device_trace(snapshot: dict, device) -> tuple:
+    traces = snapshot.get("device_traces", [])
+    if device is None:
+        used = [d for d, trace in enumerate(traces) if trace]
+        if len(used) > 1:
+            raise LabError(f"the snapshot has traces for devices {used}; choose one")
+        device = used[0] if used else 0
+    if type(device) is not int or device < 0:
+        raise LabError(f"device must be a device index >= 0, got {device!r}")
+    return device, (traces[device] if device < len(traces) else [])
+
+
+def _frames_text(entry) -> list:
+    frames = entry.get("frames")
+    if not isinstance(frames, list):
+        return []
+    return [f"{f.get('name')} {f.get('filename')}:{f.get('line')}" for f in frames[:STACK_FRAMES_KEPT]
+            if isinstance(f, dict)]
+
+
+def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, labels=None,
+                           stacks: bool = False) -> dict:
+    """Turn ``torch.cuda.memory._snapshot()`` into the lab's columnar timeline (standard library).
+
+    `phase_marks`: (name, index, start_us, end_us) on the trace's clock (``now_us``); each event
+    falls in the phase whose [start, end] holds its time, else -1. Tensor sizes are the trace's
+    requested bytes rounded up to 512, the allocator's block size (a large block that kept an
+    unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
+    ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
+    recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
+    the snapshot ends with. `labels`: {address: label} stored on the last alloc event at that
+    address (the tensor made there last: an address is reused once its block is free). `stacks`: keep each allocation's innermost frames (column
+    ``frames``). lab_helpers.timeline.check_timeline validates the result.
+    """
+    check_allocator_snapshot(snapshot, "snapshot")
+    phases = _phase_marks(phase_marks)
+    device, trace = _device_trace(snapshot, device)
+    ALLOC, FREE, SEGMENT_ALLOC = (TIMELINE_ACTIONS.index(a) for a in ("alloc", "free", "segment_alloc"))
+    codes = {name: code for code, name in enumerate(TIMELINE_ACTIONS) if name != "free"}
+    times, actions, addresses, sizes, frames, ooms = [], [], [], [], [], []
+    requested = set()  # addresses whose free_requested was recorded since their alloc
+    for k, entry in enumerate(trace):
+        action, size = entry["action"], entry["size"]
+        when = entry.get("time_us")
+        if type(when) is not int:
+            raise LabError(f"trace entry {k} has no whole 'time_us' (torch 2.1 or newer records it)")
+        if action == "oom":
+            if entry.get("device_free") is not None and not is_byte_count(entry.get("device_free")):
+                raise LabError(f"trace entry {k} (oom) has a 'device_free' that is not a whole number")
+            ooms.append({"time_us": when, "size_bytes": size, "device_free_bytes": entry.get("device_free")})
+            continue
+        if action == "snapshot":
+            continue
+        address = entry.get("addr")
+        if not is_byte_count(address):
+            raise LabError(f"trace entry {k} ({str(action)[:40]}) has no whole 'addr'")
+        if action == "free_requested":
+            requested.add(address)
+            code = FREE
+        elif action == "free_completed":
+            if address in requested:
+                requested.discard(address)
+                continue
+            code = FREE
+        elif action in codes:
+            code = codes[action]
+            if code == ALLOC:
+                requested.discard(address)
+        else:
+            raise LabError(f"trace entry {k} has an unknown action {str(action)[:40]!r}")
+        times.append(when)
+        actions.append(code)
+        addresses.append(address)
+        # the trace records a tensor's requested bytes; its block (what `allocated` counts) is rounded
+        sizes.append(AllocatorModel.round_size(size) if code in (ALLOC, FREE) else size)
+        if stacks:
+            frames.append(_frames_text(entry) if code == ALLOC else None)
+    starts = [p[2] for p in phases]
+    origin = min(times[:1] + starts[:1] + [o["time_us"] for o in ooms[:1]] or [0])
+    # the order is the allocator's own; its times are TSC readings converted to Unix time, so a
+    # time a microsecond before the previous one is lifted to it (the file's times never go back)
+    for k in range(1, len(times)):
+        if times[k] < times[k - 1]:
+            times[k] = times[k - 1]
+    phase_column = _assign_phases(times, phases)
+    segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
+    end_reserved = sum(s["total_size"] for s in segments)
+    end_allocated = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
+    net_allocated = sum(s if a == ALLOC else -s for a, s in zip(actions, sizes) if a in (ALLOC, FREE))
+    net_reserved = sum(s if a in (SEGMENT_ALLOC, codes["segment_map"]) else -s
+                       for a, s in zip(actions, sizes) if a >= SEGMENT_ALLOC)
+    events = {"time_us": [t - origin for t in times], "action": actions, "address": addresses,
+              "size_bytes": sizes, "phase": phase_column}
+    if labels:
+        # an address is reused once its block is free: the label names the last tensor made there
+        last = {a: k for k, (a, c) in enumerate(zip(addresses, actions)) if c == ALLOC and a in labels}
+        marked = {k: labels[a] for a, k in last.items()}
+        events["label"] = [marked.get(k) for k in range(len(addresses))]
+    if stacks:
+        events["frames"] = frames
+    return {
+        "kind": TIMELINE_KIND, "schema_version": SCHEMA_VERSION, "device": f"cuda:{device}",
+        "time_origin_us": origin, "actions": list(TIMELINE_ACTIONS),
+        "initial_allocated_bytes": max(0, end_allocated - net_allocated),
+        "initial_reserved_bytes": max(0, end_reserved - net_reserved),
+        "events": events,
+        "phases": [{"name": n, "index": i, "start_us": s - origin, "end_us": e - origin} for n, i, s, e in phases],
+        "ooms": [{**o, "time_us": o["time_us"] - origin} for o in ooms],
+    }
+
+
+def _assign_phases(times: list, phases: list) -> list:
+    import bisect
+    starts = [p[2] for p in phases]
+    column = []
+    for t in times:
+        k = bisect.bisect_right(starts, t) - 1
+        column.append(k if k >= 0 and t <= phases[k][3] else NO_PHASE)
+    return column
+
+
+def workspace_addresses(trace: list, start_us: int, end_us: int) -> set:
+    """Addresses allocated in [start_us, end_us] and never released later in `trace`: in the cold
+    forward pass, the math libraries' persistent workspaces (cuBLAS, cuBLASLt)."""
+    made, released = {}, set()
+    for entry in trace:
+        when, address = entry.get("time_us"), entry.get("addr")
+        if entry.get("action") == "alloc" and type(when) is int and start_us <= when <= end_us:
+            made[address] = True
+            released.discard(address)
+        elif entry.get("action") in ("free_requested", "free_completed") and address in made:
+            released.add(address)
+    return {address for address in made if address not in released}
+
+
+def _strip_frames(snapshot: dict) -> dict:
+    """The snapshot without tracebacks (they are most of its size and none of the explanation)."""
+    segments = [{**{k: v for k, v in s.items() if k != "frames"},
+                 "blocks": [{k: v for k, v in b.items() if k != "frames"} for b in s.get("blocks", [])]}
+                for s in snapshot.get("segments", [])]
+    traces = [[{k: v for k, v in e.items() if k in ("action", "addr", "size", "stream", "time_us",
+                                                      "device_free")} for e in trace]
+              for trace in snapshot.get("device_traces", [])]
+    return {"segments": segments, "device_traces": traces}
+
+
+def oom_snapshot_document(torch, device, failed_request_bytes) -> dict:
+    """The lab's out-of-memory snapshot of `device` (a torch.device cuda:N) now: the allocator's
+    segments and trace without tracebacks, the request that failed and the device's free bytes
+    (``mem_get_info``), as ``python -m lab_helpers.timeline explain`` reads it."""
+    if failed_request_bytes is not None and not is_byte_count(failed_request_bytes):
+        raise LabError(f"failed_request_bytes must be a whole number >= 0, got {failed_request_bytes!r}")
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": str(device),
+            "failed_request_bytes": failed_request_bytes, "device_free_bytes": int(free_bytes),
+            "device_total_bytes": int(total_bytes),
+            "snapshot": _strip_frames(torch.cuda.memory._snapshot(device))}
+
+
+def oom_snapshot_path(timeline_path) -> str:
+    """Where `measure --timeline FILE` saves the out-of-memory snapshot: FILE with its .json suffix
+    replaced by .oom.json (run.json -> run.oom.json), or FILE.oom.json."""
+    text = os.fspath(timeline_path)
+    return (text[:-len(".json")] if text.endswith(".json") else text) + ".oom.json"
+
+
+class HistoryRecorder:
+    """Records the allocator's history during `measure` and the phases' marks on the trace's clock.
+
+    After a successful `measure(config, recorder)`, ``timeline`` holds the timeline document; after
+    an out-of-memory PhaseError, the error's ``oom_snapshot`` holds the snapshot at the failure."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = False):
+        self.max_entries = parse_whole(max_entries, "--timeline-max-entries", 1, MAX_HISTORY_ENTRIES)
+        if not isinstance(stacks, bool):
+            raise LabError("stacks must be True or False")
+        self.stacks = stacks
+        self.marks = []
+        self.timeline = None
+
+    def start(self, torch) -> None:
+        # context None records no traceback at all: the cheapest recording, the same bytes
+        options = {"enabled": "all", "context": "alloc" if self.stacks else None,
+                   "stacks": "all" if self.stacks else "python", "max_entries": self.max_entries}
+        try:  # entries left from an earlier recording would precede this run's phases
+            torch.cuda.memory._record_memory_history(**options, clear_history=True)
+        except TypeError:  # torch before clear_history existed
+            torch.cuda.memory._record_memory_history(**options)
+
+    @staticmethod
+    def stop(torch) -> None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def mark(self, name, index, start_us, end_us) -> None:
+        self.marks.append((name, index, start_us, end_us))
+
+    def failure(self, torch, device, error) -> None:
+        """At a phase's failure (tensors of the failed pass still referenced by the traceback):
+        attach the out-of-memory snapshot to `error`, the trace's last oom entry naming the request."""
+        if error.reason != "out_of_memory":
+            return
+        try:
+            document = oom_snapshot_document(torch, device, None)
+            oom = [e for e in document["snapshot"]["device_traces"][device.index]
+                   if e.get("action") == "oom"] if device.index < len(document["snapshot"]["device_traces"]) else []
+            if oom:
+                document["failed_request_bytes"] = oom[-1]["size"]
+            document["phase"] = error.phase
+            error.oom_snapshot = document
+        except Exception as exc:  # the device may be unusable after the failure
+            error.oom_snapshot_problem = _safe_reason(exc)
+
+    def finish(self, torch, device, state) -> None:
+        """Build the timeline from the snapshot, labelling weights, inputs and workspaces."""
+        snapshot = torch.cuda.memory._snapshot(device)
+        labels = {p.untyped_storage().data_ptr(): WEIGHTS_LABEL for p in state["model"].parameters()}
+        labels[state["x"].untyped_storage().data_ptr()] = INPUTS_LABEL
+        cold = [m for m in self.marks if m[0] == "cold_forward"]
+        traces = snapshot.get("device_traces", [])
+        trace = traces[device.index] if device.index < len(traces) else []
+        if cold:
+            for address in workspace_addresses(trace, cold[0][2], cold[0][3]):
+                labels.setdefault(address, WORKSPACE_LABEL)
+        self.timeline = timeline_from_snapshot(snapshot, self.marks, device=device.index, labels=labels,
+                                               stacks=self.stacks)
 
 
 # ----------------------------------------------------------------- predict
@@ -1171,9 +1514,13 @@ class AllocatorModel:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
 
+ALLOCATION_KINDS = ("weights", "inputs", "workspace", "activations")
+
+
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
-    """Predict allocated and reserved bytes per phase, from the allocator's rules alone."""
+    """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
+    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS."""
     c = config
     hidden = c.hidden_features
     workspace_bytes = tuple(workspace_bytes)
@@ -1186,6 +1533,18 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     alloc = AllocatorModel()
     live = {}
     phases = []
+    held = dict.fromkeys(ALLOCATION_KINDS, 0)  # allocated bytes per kind, as the allocator counts them
+    kind_of = {}
+
+    def malloc(size, kind):
+        block = alloc.malloc(size)
+        kind_of[block] = kind
+        held[kind] += block.size
+        return block
+
+    def free(block):
+        held[kind_of.pop(block)] -= block.size  # before free(): merging grows the block
+        alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
@@ -1196,22 +1555,23 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
             "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
             "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+            "end_allocated_bytes_by_kind": dict(held),
         })
 
     def load_model():
         for shape in synthetic_model(c)["parameter_shapes"].values():
-            alloc.malloc(math.prod(shape) * element)
+            malloc(math.prod(shape) * element, "weights")
 
     def forward():
         # nn.Linear on a contiguous 3-D input is one addmm: its output comes first,
         # then the math library's workspace on the very first product
-        first = alloc.malloc(tokens * hidden * element)
+        first = malloc(tokens * hidden * element, "activations")
         if not live.get("workspace"):
-            live["workspace"] = [alloc.malloc(size) for size in workspace_bytes]
-        activated = alloc.malloc(tokens * hidden * element)  # GELU output
-        alloc.free(first)  # Sequential drops the first output once GELU has returned
-        output = alloc.malloc(tokens * c.width * element)
-        alloc.free(activated)
+            live["workspace"] = [malloc(size, "workspace") for size in workspace_bytes]
+        activated = malloc(tokens * hidden * element, "activations")  # GELU output
+        free(first)  # Sequential drops the first output once GELU has returned
+        output = malloc(tokens * c.width * element, "activations")
+        free(activated)
         return output
 
     def measured_forward():
@@ -1219,16 +1579,16 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
 
     def warmup():
         for _ in range(c.warmup):
-            alloc.free(forward())
+            free(forward())
 
     phase("model_load", load_model)
-    phase("inputs", lambda: alloc.malloc(tokens * c.width * element))
+    phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
     phase("cold_forward", measured_forward, passes=1)
-    alloc.free(live.pop("output"))
+    free(live.pop("output"))
     phase("warmup", warmup, passes=c.warmup)
     for repeat in range(c.repeats):
         phase("warm_forward", measured_forward, index=repeat, passes=1)
-        alloc.free(live.pop("output"))
+        free(live.pop("output"))
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
@@ -1480,6 +1840,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failure-report", metavar="PATH",
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="record the allocator's history and write the compact timeline (every allocation "
+                        "and release with bytes, time and phase; segments; phase boundaries) to this new "
+                        "file, after --output; on out of memory, save the allocator's snapshot to FILE "
+                        "with .json replaced by .oom.json instead (read it with: python -m "
+                        "lab_helpers.timeline explain)")
+    p.add_argument("--timeline-stacks", action="store_true",
+                   help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
+                        f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
+    p.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
+                   default=DEFAULT_MAX_ENTRIES,
+                   help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
     p = command("predict")
     add_size_flags(p)
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
@@ -1547,9 +1919,43 @@ def run_command(args) -> dict:
     check_new_output(args.output)
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    document = measure(config)
+    history = None
+    if args.timeline is not None:
+        check_new_output(args.timeline)
+        check_new_output(oom_snapshot_path(args.timeline))
+        outputs = [os.path.abspath(p) for p in (args.output, args.failure_report, args.timeline,
+                                                oom_snapshot_path(args.timeline)) if p is not None]
+        if len(set(outputs)) != len(outputs):
+            raise LabError("--output, --failure-report, --timeline and its .oom.json must be different files")
+        history = HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+    elif args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
+        raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+    document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
-    return {"output": display_path(args.output), "phases": len(document["phases"])}
+    result = {"output": display_path(args.output), "phases": len(document["phases"])}
+    if history is not None:
+        write_new_text(args.timeline, json.dumps(history.timeline, separators=(",", ":"), allow_nan=False) + "\n")
+        result["timeline"] = display_path(args.timeline)
+        result["timeline_events"] = len(history.timeline["events"]["time_us"])
+    return result
+
+
+def _save_oom_snapshot(timeline_path, error: PhaseError) -> str:
+    """Write the snapshot the failed phase left (if any); return the note for the error line."""
+    if error.oom_snapshot is None:
+        if error.oom_snapshot_problem:
+            return f"; no out-of-memory snapshot: {error.oom_snapshot_problem}"
+        return "" if error.reason != "out_of_memory" else "; no out-of-memory snapshot"
+    path = oom_snapshot_path(timeline_path)
+    try:
+        text = json.dumps(error.oom_snapshot, separators=(",", ":"), allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:  # a snapshot field that is not plain data
+        return f"; out-of-memory snapshot not written: {_safe_reason(exc)}"
+    try:
+        write_new_text(path, text)
+    except LabError as write_error:
+        return f"; out-of-memory snapshot not written: {write_error}"
+    return f"; out-of-memory snapshot: {display_path(path)}"
 
 
 TABLES = {"estimate": estimate_table, "environment": environment_table, "predict": predict_table,
@@ -1583,6 +1989,8 @@ def main(argv=None) -> int:
                 note += f"; failure report: {display_path(args.failure_report)}"
             except LabError as write_error:
                 note += f"; failure report not written: {write_error}"
+        if getattr(args, "timeline", None) is not None:
+            note += _save_oom_snapshot(args.timeline, exc)
         print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
         return EXIT_PHASE
     if getattr(args, "format", "json") == "table":

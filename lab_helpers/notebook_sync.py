@@ -23,10 +23,12 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/mesure_memoire.py",
         "lab_helpers/plots.py",
         "lab_helpers/sweep.py",
+        "lab_helpers/timeline.py",
     ),
     "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/mesure_memoire.py",
                                  "lab_helpers/grid.py"),
-    "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py"),
+    "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py",
+                                       "lab_helpers/timeline.py"),
     "notebooks/real-model.ipynb": (
         "lab_helpers/mesure_memoire.py",
         "lab_helpers/calcul_forfaits.py",

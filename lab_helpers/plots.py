@@ -108,3 +108,65 @@ def plot_prediction(comparison, ax=None):
     ax.grid(axis="y", alpha=0.3)
     ax.figure.tight_layout()
     return ax
+
+
+KIND_COLOURS = {"weights": "#4c72b0", "inputs": "#55a868", "workspace": "#8172b3", "activations": "#dd8452",
+                "kv_cache": "#c44e52"}
+BY_KIND_KEY = "end_allocated_bytes_by_kind"
+
+
+def bytes_by_kind(document) -> dict:
+    """Per phase label, the end allocated bytes split by kind and the end reserved bytes:
+    {"labels", "kinds", "by_kind" {kind: [bytes per phase]}, "reserved" [bytes per phase]}.
+    Needs a document whose phases carry ``end_allocated_bytes_by_kind`` (mesure_memoire.predict's)."""
+    phases = _document(document)["phases"]
+    kinds = []
+    for i, p in enumerate(phases):
+        split = p.get(BY_KIND_KEY)
+        if not isinstance(split, dict):
+            raise LabError(f"phase {i} has no {BY_KIND_KEY}: use a prediction (mesure_memoire.predict)")
+        if sum(split.values()) != p["end_allocated_bytes"]:
+            raise LabError(f"phase {i}: {BY_KIND_KEY} adds up to {sum(split.values())} bytes, "
+                           f"not its end_allocated_bytes {p['end_allocated_bytes']}")
+        kinds += [k for k in split if k not in kinds]
+    return {"labels": phase_labels(phases), "kinds": kinds,
+            "by_kind": {k: [p[BY_KIND_KEY].get(k, 0) for p in phases] for k in kinds},
+            "reserved": [p["end_reserved_bytes"] for p in phases]}
+
+
+def plot_bytes_by_kind(prediction_or_labelled, measurement=None, ax=None):
+    """Where the bytes go: per phase, end allocated as a bar stacked by kind (weights, inputs,
+    workspace, activations, KV cache where the document has it) beside end reserved; a measurement's
+    end allocated and end reserved drawn over them as markers (the same phases, in order)."""
+    data = bytes_by_kind(prediction_or_labelled)
+    measured = None
+    if measurement is not None:
+        measured = _document(measurement)["phases"]
+        if phase_labels(measured) != data["labels"]:
+            raise LabError("the measurement's phases differ from the prediction's: "
+                           f"{len(measured)} records against {len(data['labels'])}")
+    if ax is None:
+        _, ax = _pyplot().subplots(figsize=(12, 4.8))
+    width = 0.38
+    xs = range(len(data["labels"]))
+    bottom = [0] * len(data["labels"])
+    for kind in data["kinds"]:
+        values = [v / MIB for v in data["by_kind"][kind]]
+        ax.bar([x - width / 2 for x in xs], values, width, bottom=bottom, label=f"allocated: {kind}",
+               color=KIND_COLOURS.get(kind))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([x + width / 2 for x in xs], [r / MIB for r in data["reserved"]], width, label="reserved",
+           color="#b0b0b0")
+    if measured is not None:
+        ax.plot([x - width / 2 for x in xs], [p["end_allocated_bytes"] / MIB for p in measured], "k_",
+                markersize=22, markeredgewidth=2.5, linestyle="none", label="measured end allocated")
+        ax.plot([x + width / 2 for x in xs], [p["end_reserved_bytes"] / MIB for p in measured], "kx",
+                markersize=9, markeredgewidth=2, linestyle="none", label="measured end reserved")
+    ax.set_xticks(list(xs), data["labels"], rotation=30, ha="right")
+    ax.set_ylabel("MiB")
+    ax.set_title("Where the bytes go at each phase's end: predicted allocated by kind, beside reserved"
+                 + ("; measured totals as markers" if measured is not None else ""))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax

@@ -15,74 +15,36 @@ Run as ``python -m lab_helpers.timeline plot|explain|convert|summary ...``. nump
 imported only where a timeline is turned into arrays or drawn; torch only inside the GPU helpers.
 """
 import argparse
-import bisect
 import io
 import json
 import os
 import pickle
 import stat
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-TIMELINE_KIND = "iteragpu-lab timeline"
-OOM_SNAPSHOT_KIND = "iteragpu-lab oom snapshot"
-SCHEMA_VERSION = 1
-# Event action codes of the columnar file, by position (schema version 1).
-ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+# >>> library only
+from lab_helpers.mesure_memoire import (
+    DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, MIB, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
+    LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES, SMALL_SEGMENT_BYTES, TIMELINE_ACTIONS, TIMELINE_COLUMNS, TIMELINE_KIND, AllocatorModel, CommandParser,
+    LabError, check_allocator_snapshot, check_new_output, is_byte_count, now_us, oom_snapshot_document,
+    quiet_broken_pipe, timeline_from_snapshot, write_new_bytes)
+# <<< library only
+
+ACTIONS, COLUMNS = TIMELINE_ACTIONS, TIMELINE_COLUMNS
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(ACTIONS))
-COLUMNS = ("time_us", "action", "address", "size_bytes", "phase")
-NO_PHASE = -1  # an event between two phases (or outside all of them)
-MIB = 2**20
 # Files are read whole into memory before parsing; a larger file is refused unread.
 MAX_FILE_BYTES = 256 * MIB
-DEFAULT_MAX_ENTRIES = 1_000_000  # ring buffer of the allocator's history; older entries are dropped
-# The caching allocator's rules (default PYTORCH_CUDA_ALLOC_CONF), as c10's CUDACachingAllocator has them.
-MIN_BLOCK_BYTES = 512  # every request rounds up to a multiple of 512 bytes
-SMALL_REQUEST_MAX_BYTES = MIB  # up to 1 MiB: small pool, 2 MiB segments
-SMALL_SEGMENT_BYTES = 2 * MIB
-LARGE_SEGMENT_BYTES = 20 * MIB  # large requests under 10 MiB share 20 MiB segments
-MIN_LARGE_ALLOC_BYTES = 10 * MIB  # from 10 MiB a segment is the request rounded up to 2 MiB
-ROUND_LARGE_BYTES = 2 * MIB
-EXPANDABLE_PAGE_BYTES = 2 * MIB  # expandable segments map device memory in 2 MiB pages
-BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
-EXIT_OK, EXIT_USAGE = 0, 2
-
-
-class TimelineError(Exception):
-    """A bad file, argument or device state, told in one line."""
-
-
-# ------------------------------------------------------------------ command-line plumbing
-# Stand-ins, same names and behaviour, for mesure_memoire's public CommandParser and
-# write_new_bytes: replace these two definitions by an import from there.
-class CommandParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit code 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
-
-
-def write_new_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` whole or not at all; refuse if `path` exists."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise TimelineError(f"folder {path.parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise TimelineError(f"cannot write in {path.parent}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(tmp, path)  # atomic and exclusive: fails if the name was taken meanwhile
-    except FileExistsError:
-        raise TimelineError(f"{path} already exists; choose a new file name") from None
-    finally:
-        os.unlink(tmp)
+# Expandable segments map device memory in pages of the pool's segment size (c10:
+# kSmallBuffer 2 MiB for the small pool, kLargeBuffer 20 MiB for the large one).
+EXPANDABLE_PAGE_BYTES = {"small": SMALL_SEGMENT_BYTES, "large": LARGE_SEGMENT_BYTES}
+PENDING_FREE_STATES = ("active_pending_free", "active_awaiting_free")
+TimelineError = LabError  # the name this module's callers catch: a bad file, argument or device state
+# The caching allocator's rounding rules, one copy: mesure_memoire's model of the allocator.
+round_request = AllocatorModel.round_size
+segment_bytes_for = AllocatorModel.segment_size
+_is_count = is_byte_count
+_check_snapshot = check_allocator_snapshot
 
 
 # ------------------------------------------------------------------ reading files safely
@@ -149,72 +111,28 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
     """Read an out-of-memory snapshot: the lab's JSON file or a ``_dump_snapshot`` pickle.
 
     Returns ``{"snapshot": torch-format dict, "failed_request_bytes": int|None,
-    "device_free_bytes": int|None}``. Pickles are loaded with classes refused.
+    "device_free_bytes": int|None, "process_limit_bytes": int|None}``. Pickles are loaded with classes refused.
     """
     data = read_bounded(path, max_bytes)
     if data[:1] == b"\x80":  # pickle protocol 2+ starts with PROTO
         document = _parse_pickle(data, path)
         if not isinstance(document, dict):
             raise TimelineError(f"{path} holds a {type(document).__name__}, not a snapshot dict")
-        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None}
+        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None,
+                   "process_limit_bytes": None}
     else:
         document = _parse_json(data, path)
         if not isinstance(document, dict) or document.get("kind") != OOM_SNAPSHOT_KIND:
             raise TimelineError(f"{path} is not an {OOM_SNAPSHOT_KIND} file or a torch snapshot pickle")
         if document.get("schema_version") != SCHEMA_VERSION:
             raise TimelineError(f"{path}: unsupported schema_version {document.get('schema_version')!r}")
-        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes")}
-        for key in ("failed_request_bytes", "device_free_bytes"):
+        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes",
+                                                      "process_limit_bytes")}
+        for key in ("failed_request_bytes", "device_free_bytes", "process_limit_bytes"):
             if wrapped[key] is not None and not _is_count(wrapped[key]):
                 raise TimelineError(f"{path}: {key} must be a whole number of bytes >= 0")
     _check_snapshot(wrapped["snapshot"], path)
     return wrapped
-
-
-MAX_COUNT = 2**63 - 1  # addresses, sizes and times are int64 in c10; larger numbers are not real
-
-
-def _is_count(value) -> bool:
-    return type(value) is int and 0 <= value <= MAX_COUNT
-
-
-def _check_snapshot(snapshot, where) -> None:
-    """Validate the parts of a torch snapshot the lab reads: segments, blocks, trace entries."""
-    if not isinstance(snapshot, dict):
-        raise TimelineError(f"{where}: the snapshot is not a dict")
-    segments = snapshot.get("segments")
-    if not isinstance(segments, list):
-        raise TimelineError(f"{where}: the snapshot has no 'segments' list")
-    for i, segment in enumerate(segments):
-        if not isinstance(segment, dict):
-            raise TimelineError(f"{where}: segment {i} is not a dict")
-        for key in ("address", "total_size"):
-            if not _is_count(segment.get(key)):
-                raise TimelineError(f"{where}: segment {i} '{key}' is not a whole number >= 0")
-        if segment.get("segment_type", "large") not in ("small", "large"):
-            raise TimelineError(f"{where}: segment {i} 'segment_type' is not small or large")
-        blocks = segment.get("blocks")
-        if not isinstance(blocks, list):
-            raise TimelineError(f"{where}: segment {i} has no 'blocks' list")
-        total = 0
-        for j, block in enumerate(blocks):
-            if not isinstance(block, dict) or not _is_count(block.get("size")):
-                raise TimelineError(f"{where}: segment {i} block {j} has no whole 'size'")
-            if block.get("state") not in BLOCK_STATES:
-                raise TimelineError(f"{where}: segment {i} block {j} state {block.get('state')!r} is unknown")
-            total += block["size"]
-        if total != segment["total_size"]:
-            raise TimelineError(f"{where}: segment {i} blocks add up to {total} bytes, "
-                                f"not its total_size {segment['total_size']}")
-    traces = snapshot.get("device_traces", [])
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise TimelineError(f"{where}: 'device_traces' is not a list of lists")
-    for d, trace in enumerate(traces):
-        for k, entry in enumerate(trace):
-            if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
-                raise TimelineError(f"{where}: device {d} trace entry {k} has no 'action'")
-            if not _is_count(entry.get("size")):
-                raise TimelineError(f"{where}: device {d} trace entry {k} has no whole 'size'")
 
 
 # ------------------------------------------------------------------ recording on the GPU
@@ -222,15 +140,6 @@ def _require_cuda(torch, what: str) -> None:
     if not torch.cuda.is_available():
         raise TimelineError(f"{what} unavailable: no CUDA/ROCm device visible to this torch "
                             f"({torch.__version__})")
-
-
-def now_us() -> int:
-    """The clock of the allocator's trace (``time_us``): Unix time in microseconds.
-
-    c10 stamps each entry with a TSC reading converted to CLOCK_REALTIME, so phase marks taken with
-    this function line up with the trace to within the converter's error (microseconds).
-    """
-    return time.time_ns() // 1000
 
 
 def record_history(torch, device, max_entries: int = DEFAULT_MAX_ENTRIES, stacks=None) -> None:
@@ -271,17 +180,6 @@ def stop_history(torch, device) -> dict:
     return snapshot
 
 
-def _strip_frames(snapshot: dict) -> dict:
-    """The snapshot without tracebacks (they are most of its size and none of the explanation)."""
-    segments = [{**{k: v for k, v in s.items() if k != "frames"},
-                 "blocks": [{k: v for k, v in b.items() if k != "frames"} for b in s.get("blocks", [])]}
-                for s in snapshot.get("segments", [])]
-    traces = [[{k: v for k, v in e.items() if k in ("action", "addr", "size", "stream", "time_us",
-                                                      "device_free")} for e in trace]
-              for trace in snapshot.get("device_traces", [])]
-    return {"segments": segments, "device_traces": traces}
-
-
 def save_oom_snapshot(torch, path, failed_request_bytes, device=None) -> dict:
     """On out-of-memory: write the allocator's state to a new lab JSON file for ``explain``.
 
@@ -289,137 +187,10 @@ def save_oom_snapshot(torch, path, failed_request_bytes, device=None) -> dict:
     tracebacks, writes exclusively (an existing file is refused). Returns the document.
     """
     _require_cuda(torch, "out-of-memory snapshot")
-    if failed_request_bytes is not None and not _is_count(failed_request_bytes):
-        raise TimelineError(f"failed_request_bytes must be a whole number >= 0, got {failed_request_bytes!r}")
     device = _cuda_device(torch, device if device is not None else f"cuda:{torch.cuda.current_device()}")
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    document = {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": str(device),
-                "failed_request_bytes": failed_request_bytes, "device_free_bytes": int(free_bytes),
-                "device_total_bytes": int(total_bytes),
-                "snapshot": _strip_frames(torch.cuda.memory._snapshot(device))}
+    document = oom_snapshot_document(torch, device, failed_request_bytes)
     write_new_bytes(path, (json.dumps(document) + "\n").encode("utf-8"))
     return document
-
-
-# ------------------------------------------------------------------ snapshot -> timeline
-def _phase_marks(phase_marks) -> list:
-    """Validate (name, index, start_us, end_us) marks: in order, not overlapping."""
-    phases = []
-    for i, mark in enumerate(phase_marks):
-        if not isinstance(mark, (list, tuple)) or len(mark) != 4:
-            raise TimelineError(f"phase mark {i} is not (name, index, start_us, end_us)")
-        name, index, start, end = mark
-        if not isinstance(name, str) or not name:
-            raise TimelineError(f"phase mark {i}: the name must be a non-empty string")
-        if index is not None and not _is_count(index):
-            raise TimelineError(f"phase mark {i}: the index must be None or a whole number >= 0")
-        if not (type(start) is int and type(end) is int and start <= end):
-            raise TimelineError(f"phase mark {i}: start_us and end_us must be whole numbers, start <= end")
-        if phases and start < phases[-1][3]:
-            raise TimelineError(f"phase mark {i} starts before phase mark {i - 1} ends")
-        phases.append((name, index, start, end))
-    return phases
-
-
-def _device_trace(snapshot: dict, device) -> tuple:
-    traces = snapshot.get("device_traces", [])
-    if device is None:
-        used = [d for d, trace in enumerate(traces) if trace]
-        if len(used) > 1:
-            raise TimelineError(f"the snapshot has traces for devices {used}; choose one")
-        device = used[0] if used else 0
-    if type(device) is not int or device < 0:
-        raise TimelineError(f"device must be a device index >= 0, got {device!r}")
-    return device, (traces[device] if device < len(traces) else [])
-
-
-def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, labels=None) -> dict:
-    """Turn ``torch.cuda.memory._snapshot()`` into the lab's columnar timeline.
-
-    `phase_marks`: (name, index, start_us, end_us) on the trace's clock (``now_us``); each event
-    falls in the phase whose [start, end] holds its time, else -1. Tensor sizes are the trace's
-    requested bytes rounded up to 512, the allocator's block size (a large block that kept an
-    unsplit remainder of up to 1 MiB is larger; the trace does not say). A tensor's release is its
-    ``free_requested`` (when ``allocated`` drops), or its ``free_completed`` when no request was
-    recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
-    the snapshot ends with. `labels`: {address: label} stored on the matching alloc events.
-    """
-    _check_snapshot(snapshot, "snapshot")
-    phases = _phase_marks(phase_marks)
-    device, trace = _device_trace(snapshot, device)
-    codes = {"alloc": ALLOC, "segment_alloc": SEGMENT_ALLOC, "segment_free": SEGMENT_FREE,
-             "segment_map": SEGMENT_MAP, "segment_unmap": SEGMENT_UNMAP}
-    times, actions, addresses, sizes, ooms = [], [], [], [], []
-    requested = set()  # addresses whose free_requested was recorded since their alloc
-    for k, entry in enumerate(trace):
-        action, size = entry["action"], entry["size"]
-        when = entry.get("time_us")
-        if type(when) is not int:
-            raise TimelineError(f"trace entry {k} has no whole 'time_us' (torch 2.1 or newer records it)")
-        if action == "oom":
-            if entry.get("device_free") is not None and not _is_count(entry.get("device_free")):
-                raise TimelineError(f"trace entry {k} (oom) has a 'device_free' that is not a whole number")
-            ooms.append({"time_us": when, "size_bytes": size, "device_free_bytes": entry.get("device_free")})
-            continue
-        if action == "snapshot":
-            continue
-        address = entry.get("addr")
-        if not _is_count(address):
-            raise TimelineError(f"trace entry {k} ({action}) has no whole 'addr'")
-        if action == "free_requested":
-            requested.add(address)
-            code = FREE
-        elif action == "free_completed":
-            if address in requested:
-                requested.discard(address)
-                continue
-            code = FREE
-        elif action in codes:
-            code = codes[action]
-            if code == ALLOC:
-                requested.discard(address)
-        else:
-            raise TimelineError(f"trace entry {k} has an unknown action {action!r}")
-        times.append(when)
-        actions.append(code)
-        addresses.append(address)
-        # the trace records a tensor's requested bytes; its block (what `allocated` counts) is rounded
-        sizes.append(round_request(size) if code in (ALLOC, FREE) else size)
-    starts = [p[2] for p in phases]
-    origin = min(times[:1] + starts[:1] + [o["time_us"] for o in ooms[:1]] or [0])
-    if any(b < a for a, b in zip(times, times[1:])):
-        raise TimelineError("the trace's times go backwards")
-    phase_column = _assign_phases(times, phases)
-    segments = [s for s in snapshot["segments"] if s.get("device", device) == device]
-    end_reserved = sum(s["total_size"] for s in segments)
-    end_allocated = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
-    net_allocated = sum(s if a == ALLOC else -s for a, s in zip(actions, sizes) if a in (ALLOC, FREE))
-    net_reserved = sum(s if a in (SEGMENT_ALLOC, SEGMENT_MAP) else -s
-                       for a, s in zip(actions, sizes) if a >= SEGMENT_ALLOC)
-    events = {"time_us": [t - origin for t in times], "action": actions, "address": addresses,
-              "size_bytes": sizes, "phase": phase_column}
-    if labels:
-        events["label"] = [labels.get(a) if c == ALLOC else None for a, c in zip(addresses, actions)]
-    timeline = {
-        "kind": TIMELINE_KIND, "schema_version": SCHEMA_VERSION, "device": f"cuda:{device}",
-        "time_origin_us": origin, "actions": list(ACTIONS),
-        "initial_allocated_bytes": max(0, end_allocated - net_allocated),
-        "initial_reserved_bytes": max(0, end_reserved - net_reserved),
-        "events": events,
-        "phases": [{"name": n, "index": i, "start_us": s - origin, "end_us": e - origin} for n, i, s, e in phases],
-        "ooms": [{**o, "time_us": o["time_us"] - origin} for o in ooms],
-    }
-    check_timeline(timeline)
-    return timeline
-
-
-def _assign_phases(times: list, phases: list) -> list:
-    starts = [p[2] for p in phases]
-    column = []
-    for t in times:
-        k = bisect.bisect_right(starts, t) - 1
-        column.append(k if k >= 0 and t <= phases[k][3] else NO_PHASE)
-    return column
 
 
 # ------------------------------------------------------------------ the timeline file
@@ -683,20 +454,6 @@ def render_png(timeline, **options) -> bytes:
 
 
 # ------------------------------------------------------------------ out-of-memory explainer
-def round_request(request_bytes: int) -> int:
-    """Bytes the allocator looks for: the request rounded up to 512, at least 512."""
-    return max(MIN_BLOCK_BYTES, -(-request_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
-
-
-def segment_bytes_for(rounded: int) -> int:
-    """Bytes a new segment for a rounded request takes from the device (default settings)."""
-    if rounded <= SMALL_REQUEST_MAX_BYTES:
-        return SMALL_SEGMENT_BYTES
-    if rounded < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_SEGMENT_BYTES
-    return -(-rounded // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
-
-
 def _last_oom(snapshot: dict):
     found = None
     for device, trace in enumerate(snapshot.get("device_traces", [])):
@@ -706,15 +463,20 @@ def _last_oom(snapshot: dict):
     return found
 
 
-def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_bytes=None) -> dict:
+def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_bytes=None,
+                     process_limit_bytes=None) -> dict:
     """Why an allocation failed, from the allocator's segments: numbers, a verdict and remedies.
 
     The request is `failed_request_bytes`, else the last ``oom`` trace entry's size; the device's
-    free bytes `device_free_bytes`, else that entry's ``device_free``. A request can only use free
-    blocks of its own pool (small: up to 1 MiB; large) and stream.
+    free bytes `device_free_bytes`, else that entry's ``device_free``. `process_limit_bytes`: the
+    cap ``torch.cuda.set_per_process_memory_fraction`` set (fraction x total memory), under which
+    reserved bytes must stay; what the allocator can still take is ``available_bytes``, the smaller
+    of the device's free bytes and the room under the cap. A request can only use free blocks of
+    its own pool (small: up to 1 MiB; large) and stream.
     """
     _check_snapshot(snapshot, "snapshot")
-    for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes)):
+    for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes),
+                        ("process_limit_bytes", process_limit_bytes)):
         if value is not None and not _is_count(value):
             raise TimelineError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
     oom = _last_oom(snapshot)
@@ -736,14 +498,17 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
     for s in sorted(segments, key=lambda s: s["address"]):
         free_sizes = [b["size"] for b in s["blocks"] if b["state"] == "inactive"]
         last = s["blocks"][-1] if s["blocks"] else None
+        page = EXPANDABLE_PAGE_BYTES[s.get("segment_type", "large")]
+        inner = [b["size"] for b in s["blocks"] if b["state"] == "inactive" and b is not last]
         rows.append({
             "address": s["address"], "segment_type": s.get("segment_type", "large"),
             "stream": s.get("stream"), "total_size_bytes": s["total_size"],
             "allocated_bytes": sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated"),
-            "pending_free_bytes": sum(b["size"] for b in s["blocks"] if b["state"] == "active_pending_free"),
+            "pending_free_bytes": sum(b["size"] for b in s["blocks"] if b["state"] in PENDING_FREE_STATES),
             "free_bytes": sum(free_sizes), "largest_free_block_bytes": max(free_sizes, default=0),
             "free_blocks": len(free_sizes),
             "tail_free_bytes": last["size"] if last is not None and last["state"] == "inactive" else 0,
+            "inner_free_page_bytes": sum(size // page * page for size in inner),
             "wholly_free": bool(s["blocks"]) and len(free_sizes) == len(s["blocks"]),
             "usable": s.get("segment_type", "large") == pool and (stream is None or s.get("stream", stream) == stream),
         })
@@ -751,10 +516,15 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
     reserved_free = sum(r["free_bytes"] for r in rows)
     usable_free = sum(r["free_bytes"] for r in usable)
     usable_largest = max((r["largest_free_block_bytes"] for r in usable), default=0)
+    reserved = sum(r["total_size_bytes"] for r in rows)
+    room = None if process_limit_bytes is None else max(0, process_limit_bytes - reserved)
+    available = device_free_bytes if room is None else room if device_free_bytes is None \
+        else min(device_free_bytes, room)
     result = {
         "request_bytes": failed_request_bytes, "rounded_request_bytes": rounded, "pool": pool,
         "stream": stream, "segment_bytes_needed": needed_segment, "device_free_bytes": device_free_bytes,
-        "reserved_bytes": sum(r["total_size_bytes"] for r in rows),
+        "process_limit_bytes": process_limit_bytes, "available_bytes": available,
+        "reserved_bytes": reserved,
         "allocated_bytes": sum(r["allocated_bytes"] for r in rows),
         "pending_free_bytes": sum(r["pending_free_bytes"] for r in rows),
         "reserved_free_bytes": reserved_free,
@@ -770,7 +540,7 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
 
 
 def _verdict(r: dict) -> str:
-    rounded, free = r["rounded_request_bytes"], r["device_free_bytes"]
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
     if r["usable_largest_free_block_bytes"] >= rounded or (free is not None and free >= r["segment_bytes_needed"]):
         return "fits_now"  # this state would serve the request: the snapshot is not the failing moment
     if free is None:
@@ -783,27 +553,35 @@ def _verdict(r: dict) -> str:
 
 
 def _expandable(r: dict, usable: list) -> dict:
-    """With expandable segments, a segment grows at its end: its tail free block plus new pages."""
-    rounded, free = r["rounded_request_bytes"], r["device_free_bytes"]
+    """With expandable segments, a segment grows at its end in pages (its tail free block plus new
+    pages), and before it gives up the allocator unmaps the whole pages of free blocks inside
+    segments (release_cached_blocks), which returns their memory for the new pages."""
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
+    page = EXPANDABLE_PAGE_BYTES[r["pool"]]
     tail = max((row["tail_free_bytes"] for row in usable), default=0)
-    missing = max(0, rounded - max(tail, r["usable_largest_free_block_bytes"]))
-    pages = -(-missing // EXPANDABLE_PAGE_BYTES) * EXPANDABLE_PAGE_BYTES
-    fits = missing == 0 or (free is not None and pages <= free)
-    return {"largest_tail_free_bytes": tail, "device_bytes_to_map": pages,
-            "would_fit": None if free is None and missing else fits,
+    reclaim = sum(row["inner_free_page_bytes"] for row in usable)
+    # only a segment's tail can grow; a hole inside serves the request only if it is large enough
+    missing = 0 if r["usable_largest_free_block_bytes"] >= rounded else rounded - tail
+    pages = -(-missing // page) * page
+    if missing == 0 or pages <= reclaim:
+        fits = True
+    else:
+        fits = None if free is None else pages <= free + reclaim
+    return {"page_bytes": page, "largest_tail_free_bytes": tail, "device_bytes_to_map": pages,
+            "unmappable_free_page_bytes": reclaim, "would_fit": fits,
             "explanation": (
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets a segment grow in "
-                f"{EXPANDABLE_PAGE_BYTES // MIB} MiB pages: the free block at a segment's end "
-                f"({tail} bytes at best here) plus {pages} bytes of new pages would hold the request; "
-                "holes inside segments or in separate segments still cannot be joined. Set it before "
-                "the first CUDA allocation: the layout then differs from this snapshot's, so this is "
-                "an estimate.")}
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets a segment grow at its end in "
+                f"{page // MIB} MiB pages: the free block at a segment's end ({tail} bytes at best here) "
+                f"plus {pages} bytes of new pages would hold the request, and the whole pages of free "
+                f"blocks inside segments ({reclaim} bytes here) are unmapped to make room for them. Set "
+                "it before the first CUDA allocation: the layout then differs from this snapshot's, so "
+                "this is an estimate.")}
 
 
 def _empty_cache(r: dict, rows: list) -> dict:
     """empty_cache() returns wholly free segments to the device; partly used ones stay."""
     released = sum(row["total_size_bytes"] for row in rows if row["wholly_free"])
-    free = r["device_free_bytes"]
+    free = r["available_bytes"]
     after = None if free is None else free + released
     stuck = r["reserved_free_bytes"] - released
     return {"released_bytes": released, "device_free_after_bytes": after,
@@ -827,6 +605,9 @@ def _summary(r: dict) -> list:
              f"the largest block {r['usable_largest_free_block_bytes']}.",
              "Device free: unknown." if r["device_free_bytes"] is None
              else f"Device free (outside PyTorch's cache): {r['device_free_bytes']} bytes."]
+    if r["process_limit_bytes"] is not None:
+        lines.append(f"This process may reserve at most {r['process_limit_bytes']} bytes "
+                     f"(set_per_process_memory_fraction): {r['available_bytes']} more bytes can be taken.")
     verdicts = {
         "fragmentation": "Verdict: FRAGMENTATION. Enough bytes are free in total, but no single free block "
                          "holds the request and the device cannot give a new segment.",
@@ -892,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "json"), default="table", help="sentences and a table for people, or JSON (default table)")
     p.add_argument("--failed-request-bytes", type=_non_negative_int, default=None, help="the request that failed, when the file does not say")
     p.add_argument("--device-free-bytes", type=_non_negative_int, default=None, help="the device's free bytes at the failure, when the file does not say")
+    p.add_argument("--process-limit-bytes", type=_non_negative_int, default=None, help="the cap set_per_process_memory_fraction put on this process's reserved bytes, when the file does not say")
     p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=size_help)
     p = sub.add_parser("convert", help="turn a torch snapshot (pickle or the lab's JSON) into a timeline file")
     p.add_argument("snapshot", help="torch.cuda.memory._dump_snapshot pickle or the lab's oom snapshot JSON")
@@ -905,18 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_existing(output) -> None:
-    output = Path(output)
-    if output.exists() or output.is_symlink():
-        raise TimelineError(f"{output} already exists; choose a new file name")
-    if not output.parent.is_dir():
-        raise TimelineError(f"folder {output.parent} does not exist")
-
-
 def run_command(args):
     """Execute one parsed command; return text to print."""
     if args.command == "plot":
-        _refuse_existing(args.output)
+        check_new_output(args.output)
         timeline = load_timeline(args.timeline, args.max_file_bytes, check=False)
         try:  # the plot validates the timeline once
             png = render_png(timeline, top=args.top, bins=args.bins)
@@ -929,10 +703,11 @@ def run_command(args):
         result = explain_snapshot(
             loaded["snapshot"],
             args.failed_request_bytes if args.failed_request_bytes is not None else loaded["failed_request_bytes"],
-            args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"])
+            args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"],
+            args.process_limit_bytes if args.process_limit_bytes is not None else loaded["process_limit_bytes"])
         return json.dumps(result, indent=2) if args.format == "json" else explanation_table(result)
     if args.command == "convert":
-        _refuse_existing(args.output)
+        check_new_output(args.output)
         marks = []
         if args.phases is not None:
             marks = _parse_json(read_bounded(args.phases, args.max_file_bytes), args.phases)
@@ -940,6 +715,7 @@ def run_command(args):
                 raise TimelineError(f"{args.phases} must hold a JSON list of phase marks")
         timeline = timeline_from_snapshot(load_snapshot(args.snapshot, args.max_file_bytes)["snapshot"],
                                           marks, device=args.device)
+        check_timeline(timeline)
         write_new_bytes(args.output, (json.dumps(timeline, separators=(",", ":")) + "\n").encode("utf-8"))
         return json.dumps({"output": str(args.output), "events": len(timeline["events"]["time_us"]),
                            "phases": len(timeline["phases"])}, indent=2)
@@ -947,6 +723,7 @@ def run_command(args):
     return json.dumps(phase_peaks(timeline), indent=2)
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     args = build_parser().parse_args(argv)

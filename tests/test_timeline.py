@@ -66,10 +66,13 @@ def test_explain_exact_numbers_and_fragmentation():
     assert [(s["free_bytes"], s["largest_free_block_bytes"], s["total_size_bytes"]) for s in r["segments"]] == [
         (12 * MiB, 8 * MiB, 20 * MiB), (10 * MiB, 5 * MiB, 40 * MiB), (2 * MiB, 2 * MiB, 2 * MiB)]
     assert r["verdict"] == "fragmentation"
-    # expandable: 8 MiB tail + 4 MiB of new pages <= 6 MiB free
+    # expandable: 8 MiB tail + one 20 MiB page, but 6 MiB free and no whole page in an inner hole
     assert r["expandable_segments"]["largest_tail_free_bytes"] == 8 * MiB
-    assert r["expandable_segments"]["device_bytes_to_map"] == 4 * MiB
-    assert r["expandable_segments"]["would_fit"] is True
+    assert r["expandable_segments"]["page_bytes"] == 20 * MiB
+    assert r["expandable_segments"]["device_bytes_to_map"] == 20 * MiB
+    assert r["expandable_segments"]["unmappable_free_page_bytes"] == 0
+    assert r["expandable_segments"]["would_fit"] is False
+    assert r["available_bytes"] == 6 * MiB and r["process_limit_bytes"] is None
     # empty_cache: only the wholly free 2 MiB segment goes back; 8 MiB free < the 12 MiB segment
     assert r["empty_cache"]["released_bytes"] == 2 * MiB
     assert r["empty_cache"]["device_free_after_bytes"] == 8 * MiB
@@ -82,7 +85,7 @@ def test_explain_exhaustion():
     r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=40 * MiB, device_free_bytes=6 * MiB)
     assert r["verdict"] == "exhaustion"  # 22 MiB usable + 6 MiB device < 40 MiB
     assert r["segment_bytes_needed"] == 40 * MiB
-    assert r["expandable_segments"]["device_bytes_to_map"] == 32 * MiB
+    assert r["expandable_segments"]["device_bytes_to_map"] == 40 * MiB
     assert r["expandable_segments"]["would_fit"] is False
 
 
@@ -93,7 +96,9 @@ def test_explain_request_rounding_pool_and_fit():
     assert tl.explain_snapshot(oom_snapshot(), 7 * MiB, 0)["verdict"] == "fits_now"
     r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=10 * MiB)
     assert r["segment_bytes_needed"] == 20 * MiB and r["verdict"] == "segment_size"
-    assert r["expandable_segments"]["device_bytes_to_map"] == 2 * MiB  # 8 MiB tail + one page
+    assert r["expandable_segments"]["device_bytes_to_map"] == 20 * MiB  # 8 MiB tail + one page
+    assert r["expandable_segments"]["would_fit"] is False  # 10 MiB free < one 20 MiB page
+    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=20 * MiB)
     assert r["expandable_segments"]["would_fit"] is True
     r = tl.explain_snapshot({"segments": three_segments()}, failed_request_bytes=30 * MiB)
     assert r["device_free_bytes"] is None and r["verdict"] == "undetermined"
@@ -435,3 +440,296 @@ def test_gpu_phase_peaks_equal_torch_counters():
     timeline = tl.timeline_from_snapshot(snapshot, marks, device=torch.device(device).index)
     assert [p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)] == measured
     assert tl.render_png(timeline)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ fragmentation under a process cap
+def holes_snapshot():
+    """The shape of pic-vs-reserve's section 9 at its failure: one 400 MiB segment cut into twenty
+    20 MiB blocks, every other one freed (the last one alive), and a 40 MiB request refused."""
+    blocks = [(20 * MiB, "inactive" if k % 2 == 0 else "active_allocated") for k in range(20)]
+    trace = [{"action": "oom", "device_free": 100 * 2**30, "size": 40 * MiB, "stream": 0,
+              "time_us": 1_700_000_000_000_000}]
+    return {"segments": [segment(BASE, blocks)], "device_traces": [trace]}
+
+
+def test_explain_fragmentation_under_a_process_cap():
+    snapshot = holes_snapshot()
+    # without the cap, the device's 100 GiB would hold a new segment: the state looks servable
+    assert tl.explain_snapshot(snapshot)["verdict"] == "fits_now"
+    r = tl.explain_snapshot(snapshot, process_limit_bytes=410 * MiB)
+    assert (r["request_bytes"], r["reserved_bytes"], r["allocated_bytes"]) == (40 * MiB, 400 * MiB, 200 * MiB)
+    assert r["reserved_free_bytes"] == 200 * MiB and r["largest_free_block_bytes"] == 20 * MiB
+    assert r["segments"][0]["free_blocks"] == 10
+    assert r["available_bytes"] == 10 * MiB and r["process_limit_bytes"] == 410 * MiB
+    assert r["verdict"] == "fragmentation"
+    assert r["empty_cache"]["released_bytes"] == 0 and r["empty_cache"]["would_fit"] is False
+    es = r["expandable_segments"]
+    assert (es["page_bytes"], es["largest_tail_free_bytes"], es["device_bytes_to_map"],
+            es["unmappable_free_page_bytes"], es["would_fit"]) == (20 * MiB, 0, 40 * MiB, 200 * MiB, True)
+    assert any("at most 429916160 bytes" in line for line in r["summary"])
+
+
+# ------------------------------------------------------------------ measure --timeline (no GPU: a stand-in torch)
+from lab_helpers import mesure_memoire as mm  # noqa: E402
+
+
+class _Storage:
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+class _Tensor:
+    def __init__(self, address):
+        self.address = address
+
+    def untyped_storage(self):
+        return _Storage(self.address)
+
+
+class _Model:
+    def __init__(self, addresses):
+        self.addresses = addresses
+
+    def parameters(self):
+        return [_Tensor(a) for a in self.addresses]
+
+
+class _FakeTorch:
+    """The few torch.cuda calls HistoryRecorder and oom_snapshot_document make, recorded."""
+
+    def __init__(self, snapshot, free_bytes=6 * MiB, total_bytes=80 * 2**30):
+        torch = self
+        self.calls = []
+
+        class Memory:
+            @staticmethod
+            def _snapshot(device=None):
+                torch.calls.append(("snapshot", device))
+                return json.loads(json.dumps(snapshot))
+
+            @staticmethod
+            def _record_memory_history(**options):
+                torch.calls.append(("history", options))
+
+        class Cuda:
+            memory = Memory
+
+            @staticmethod
+            def mem_get_info(device=None):
+                return free_bytes, total_bytes
+
+        self.cuda = Cuda
+
+
+class _Device:
+    index = 0
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_oom_snapshot_path_and_document():
+    assert mm.oom_snapshot_path("runs/t.json") == "runs/t.oom.json"
+    assert mm.oom_snapshot_path("t.timeline") == "t.timeline.oom.json"
+    snapshot = oom_snapshot()
+    snapshot["segments"][0]["blocks"][0]["frames"] = [{"name": "f", "filename": "x.py", "line": 1}]
+    document = mm.oom_snapshot_document(_FakeTorch(snapshot), _Device(), 12 * MiB)
+    assert {k: v for k, v in document.items() if k != "snapshot"} == {
+        "kind": "iteragpu-lab oom snapshot", "schema_version": 1, "device": "cuda:0",
+        "failed_request_bytes": 12 * MiB, "device_free_bytes": 6 * MiB, "device_total_bytes": 80 * 2**30}
+    assert "frames" not in json.dumps(document["snapshot"])
+    assert document["snapshot"]["device_traces"][0][0] == {
+        "action": "oom", "device_free": 6 * MiB, "size": 12 * MiB, "stream": 0, "time_us": 1_700_000_000_000_000}
+    with pytest.raises(mm.LabError, match="failed_request_bytes"):
+        mm.oom_snapshot_document(_FakeTorch(snapshot), _Device(), -1)
+
+
+def test_recorder_labels_weights_inputs_and_workspace():
+    snapshot, marks = traced_snapshot()
+    t0 = marks[0][2]
+    recorder = mm.HistoryRecorder(max_entries=1000)
+    torch = _FakeTorch(snapshot)
+    recorder.start(torch)
+    assert torch.calls[0] == ("history", {"enabled": "all", "context": None, "stacks": "python",
+                                          "max_entries": 1000, "clear_history": True})
+    # a cold pass from t0+26 to t0+60: `a` (2 MiB) stays, `c` is freed inside it
+    for name, index, start, end in [("model_load", None, t0, t0 + 25), ("cold_forward", None, t0 + 26, t0 + 60)]:
+        recorder.mark(name, index, start, end)
+    assert mm.workspace_addresses(snapshot["device_traces"][0], t0 + 26, t0 + 60) == {BASE}
+    state = {"model": _Model([BASE + 4 * MiB]), "x": _Tensor(BASE + 13 * MiB)}
+    recorder.finish(torch, _Device(), state)
+    events = recorder.timeline["events"]
+    labelled = {(a, lab) for a, lab in zip(events["address"], events["label"]) if lab}
+    assert labelled == {(BASE + 4 * MiB, "weights"), (BASE + 13 * MiB, "inputs"), (BASE, "workspace")}
+    assert [p["peak_allocated_bytes"] for p in tl.phase_peaks(recorder.timeline)] == [15 * MiB, 19 * MiB]
+    assert "frames" not in events
+    recorder.stop(torch)
+    assert torch.calls[-1] == ("history", {"enabled": None})
+
+
+def test_recorder_with_stacks_keeps_the_innermost_frames():
+    snapshot, marks = traced_snapshot()
+    frames = [{"name": f"f{k}", "filename": "model.py", "line": k} for k in range(20)]
+    snapshot["device_traces"][0][1]["frames"] = frames
+    recorder = mm.HistoryRecorder(max_entries=10, stacks=True)
+    torch = _FakeTorch(snapshot)
+    recorder.start(torch)
+    assert torch.calls[0][1]["context"] == "alloc" and torch.calls[0][1]["stacks"] == "all"
+    recorder.marks.extend(marks)
+    recorder.finish(torch, _Device(), {"model": _Model([]), "x": _Tensor(1)})
+    kept = recorder.timeline["events"]["frames"]
+    assert kept[1] == [f"f{k} model.py:{k}" for k in range(mm.STACK_FRAMES_KEPT)]
+    assert kept[0] is None and kept[2] == []
+    with pytest.raises(mm.LabError, match="timeline-max-entries"):
+        mm.HistoryRecorder(max_entries=0)
+
+
+def phase_error_with_snapshot(request=40 * MiB):
+    error = mm.PhaseError("cold_forward", RuntimeError("CUDA out of memory. Tried to allocate 40.00 MiB"))
+    snapshot = holes_snapshot()
+    snapshot["device_traces"][0][0]["size"] = request
+    mm.HistoryRecorder().failure(_FakeTorch(snapshot, free_bytes=0), _Device(), error)
+    return error
+
+
+def test_failure_attaches_the_snapshot_with_the_request_from_the_trace():
+    error = phase_error_with_snapshot(request=40 * MiB + 512)
+    assert error.oom_snapshot["failed_request_bytes"] == 40 * MiB + 512
+    assert error.oom_snapshot["phase"] == "cold_forward" and error.oom_snapshot["device_free_bytes"] == 0
+    other = mm.PhaseError("inputs", RuntimeError("CUDA error: an illegal memory access was encountered"))
+    mm.HistoryRecorder().failure(_FakeTorch(holes_snapshot()), _Device(), other)
+    assert other.oom_snapshot is None  # only an out-of-memory failure is explained
+
+
+def test_measure_timeline_on_oom_writes_only_the_snapshot_and_explain_reads_it(tmp_path, monkeypatch, capsys):
+    def failing_measure(config, history):
+        assert isinstance(history, mm.HistoryRecorder) and history.stacks is False
+        raise phase_error_with_snapshot()
+    monkeypatch.setattr(mm, "measure", failing_measure)
+    monkeypatch.chdir(tmp_path)
+    assert mm.main(["measure", "--output", "m.json", "--timeline", "t.json"]) == 3
+    err = capsys.readouterr().err
+    assert err == ("mesure_memoire: error: phase cold_forward failed: RuntimeError: CUDA out of memory. Tried to "
+                   "allocate 40.00 MiB; no file written; out-of-memory snapshot: t.oom.json\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json"]
+    code, out, err = run_cli(capsys, "explain", tmp_path / "t.oom.json", "--format", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["request_bytes"] == 40 * MiB and result["largest_free_block_bytes"] == 20 * MiB
+    assert result["verdict"] == "fragmentation"  # 200 MiB free in holes of 20 MiB; 0 bytes free on the device
+    code, out, err = run_cli(capsys, "explain", tmp_path / "t.oom.json")
+    assert code == 0 and "41943040 bytes (40.00 MiB)" in out
+
+
+def test_measure_timeline_writes_it_after_the_measurement(tmp_path, monkeypatch, capsys):
+    snapshot, marks = traced_snapshot()
+    order = []
+
+    def fake_measure(config, history):
+        assert history.max_entries == 5000 and history.stacks is True
+        history.timeline = mm.timeline_from_snapshot(snapshot, marks)
+        return {"phases": [1, 2]}
+    real_write = mm.write_new_text
+    monkeypatch.setattr(mm, "write_new_text", lambda path, text: (order.append(str(path)), real_write(path, text)))
+    monkeypatch.setattr(mm, "measure", fake_measure)
+    monkeypatch.chdir(tmp_path)
+    assert mm.main(["measure", "--output", "m.json", "--timeline", "t.json", "--timeline-stacks",
+                    "--timeline-max-entries", "5000"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"output": "m.json", "phases": 2, "timeline": "t.json",
+                                                   "timeline_events": 8}
+    assert order == ["m.json", "t.json"]
+    assert tl.load_timeline(tmp_path / "t.json")["events"]["time_us"] == [0, 10, 20, 30, 40, 45, 50, 70]
+
+
+@pytest.mark.parametrize("argv, taken, message", [
+    (["--timeline", "t.json"], "t.json", "t.json already exists; choose a new file name"),
+    (["--timeline", "t.json"], "t.oom.json", "t.oom.json already exists; choose a new file name"),
+    (["--timeline", "m.json"], None, "--output, --failure-report, --timeline and its .oom.json must be different files"),
+    (["--timeline", "f.json", "--failure-report", "f.json"], None,
+     "--output, --failure-report, --timeline and its .oom.json must be different files"),
+    (["--timeline", "missing/t.json"], None, "cannot write missing/t.json: its folder does not exist"),
+    (["--timeline-stacks"], None, "--timeline-stacks and --timeline-max-entries need --timeline FILE"),
+    (["--timeline-max-entries", "10"], None, "--timeline-stacks and --timeline-max-entries need --timeline FILE"),
+])
+def test_measure_timeline_paths_are_checked_before_measuring(tmp_path, monkeypatch, capsys, argv, taken, message):
+    monkeypatch.setattr(mm, "measure", lambda *a: pytest.fail("measured despite a bad --timeline"))
+    monkeypatch.chdir(tmp_path)
+    if taken:
+        (tmp_path / taken).write_text("keep")
+    assert mm.main(["measure", "--output", "m.json", *argv]) == 2
+    assert capsys.readouterr().err == f"mesure_memoire: error: {message}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([taken] if taken else [])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "x", str(2**31)])
+def test_measure_timeline_max_entries_refuses_bad_numbers(value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        mm.main(["measure", "--output", "m.json", "--timeline", "t.json", "--timeline-max-entries", value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mesure_memoire measure: error: argument --timeline-max-entries") and err.count("\n") == 1
+
+
+def test_measure_timeline_without_gpu_says_so(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    monkeypatch.chdir(tmp_path)
+    assert mm.main(["measure", "--output", "m.json", "--timeline", "t.json"]) == 2
+    assert "no CUDA/ROCm device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ where the bytes go
+def test_predict_splits_end_allocated_by_kind():
+    prediction = mm.predict(mm.MeasureConfig())
+    split = [p["end_allocated_bytes_by_kind"] for p in prediction["phases"]]
+    weights = 65536 + 1024 + 65536 + 512  # each tensor's block: the 256-byte bias takes 512
+    assert split[0] == {"weights": weights, "inputs": 0, "workspace": 0, "activations": 0}
+    assert split[1] == {"weights": weights, "inputs": 4096, "workspace": 0, "activations": 0}
+    assert split[2] == {"weights": weights, "inputs": 4096, "workspace": 33 * MiB, "activations": 4096}
+    assert split[3] == {"weights": weights, "inputs": 4096, "workspace": 33 * MiB, "activations": 0}
+    for phase in prediction["phases"]:
+        assert sum(phase["end_allocated_bytes_by_kind"].values()) == phase["end_allocated_bytes"]
+
+
+def test_plot_bytes_by_kind_bars_and_markers():
+    import matplotlib
+    matplotlib.use("Agg")
+    from lab_helpers import plots
+    prediction = mm.predict(mm.MeasureConfig())
+    measured = json.loads(json.dumps(prediction))
+    measured["phases"][2]["end_allocated_bytes"] += 512
+    ax = plots.plot_bytes_by_kind(prediction, measured)
+    heights = [round(p.get_height() * MiB) for p in ax.patches]
+    n = len(prediction["phases"])
+    assert len(heights) == 5 * n  # four kinds stacked, then reserved
+    assert heights[:n] == [132608] * n
+    assert heights[2 * n:3 * n] == [0, 0, 33 * MiB, 33 * MiB, 33 * MiB, 33 * MiB]
+    assert heights[4 * n:] == [p["end_reserved_bytes"] for p in prediction["phases"]]
+    marks = {line.get_label(): [round(y * MiB) for y in line.get_ydata()] for line in ax.get_lines()}
+    assert marks["measured end allocated"][2] == prediction["phases"][2]["end_allocated_bytes"] + 512
+    assert marks["measured end reserved"] == [p["end_reserved_bytes"] for p in prediction["phases"]]
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {
+        "allocated: weights", "allocated: inputs", "allocated: workspace", "allocated: activations", "reserved",
+        "measured end allocated", "measured end reserved"}
+    with pytest.raises(mm.LabError, match="end_allocated_bytes_by_kind"):
+        plots.plot_bytes_by_kind({"phases": [{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"}
+                                             for p in prediction["phases"]]})
+    measured["phases"].pop()
+    with pytest.raises(mm.LabError, match="phases differ"):
+        plots.plot_bytes_by_kind(prediction, measured)
+    bad = json.loads(json.dumps(prediction))
+    bad["phases"][0]["end_allocated_bytes_by_kind"]["weights"] += 1
+    with pytest.raises(mm.LabError, match="adds up to"):
+        plots.plot_bytes_by_kind(bad)
+
+
+def test_a_label_names_the_last_tensor_made_at_its_address():
+    snapshot, marks = traced_snapshot()
+    labels = mm.timeline_from_snapshot(snapshot, marks, labels={BASE: "workspace"})["events"]["label"]
+    # BASE held a 4 MiB tensor (freed at 30 us), then the 2 MiB one made at 40 us that is still alive
+    assert labels == [None, None, None, None, "workspace", None, None, None]
