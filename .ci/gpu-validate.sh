@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU validation, on a CUDA machine whose python3 has torch, transformers and pytest (plus nbval,
 # ipykernel, nbformat, nbclient, jsonschema): the gpu-marked tests, every notebook under nbval,
-# executed copies with their plots as PNG, the kit's small measure, the benchmark.
+# the kit's small measure, the benchmark, then executed copies with their plots as PNG.
 # With two or more GPUs visible it runs two halves at once, one GPU each (CUDA_VISIBLE_DEVICES), so
 # that no test shares a GPU with another: the real-model half on GPU 0, the rest on GPU 1.
 # Usage: bash .ci/gpu-validate.sh OUTPUT_DIR   (logs and results land there)
@@ -28,12 +28,25 @@ real_models() {  # the transformers acceptance and the real-model notebook
   return $failed
 }
 
-the_rest() {  # every other gpu test, the other notebooks, executed copies, the kit, the benchmark
+the_rest() {  # every other gpu test, the other notebooks, the kit, the benchmark, executed copies
   local failed=0
   "${pytest[@]}" -m gpu tests --ignore=tests/test_gpu_real_model.py > "$out/pytest-gpu.log" 2>&1 || failed=1
   "${pytest[@]}" --nbval-lax $(ls notebooks/*.ipynb | grep -v real-model) \
       > "$out/nbval.log" 2>&1 || failed=1
   {
+    echo "== the kit, extracted alone, small measure"
+    kit=$(mktemp -d)
+    $py -m lab_helpers.kit build --output "$kit/iteragpu-lab-v1.zip" &&
+    $py -m lab_helpers.kit verify "$kit/iteragpu-lab-v1.zip" &&
+    $py -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$kit/iteragpu-lab-v1.zip" "$kit/x" &&
+    ( cd "$kit/x/iteragpu-lab-v1" &&
+      $py mesure_memoire.py measure --device cuda:0 --batch 1 --context 16 --width 64 --dtype float32 \
+          --warmup 1 --repeats 2 --output "$kit/mesures-petit-essai.json" &&
+      $py mesure_memoire.py compare "$kit/mesures-petit-essai.json" --fail-on-difference |
+        $py -c "import json, sys; d = json.load(sys.stdin); print('kit measure: allocated_exact', d['allocated_exact'], '| workspace detected', d['workspace_detected_bytes'])" ) &&
+    cp "$kit/mesures-petit-essai.json" "$out/kit-mesures-petit-essai.json" || failed=1
+    echo "== benchmark"
+    $py benchmarks/forward_vs_bare.py --output "$out/forward-vs-bare.json" || failed=1
     echo "== executed copies and their plots"
     $py - "$out/plots" <<'PY' || failed=1
 import base64, sys
@@ -54,19 +67,6 @@ for name in ("mesure-memoire", "pic-vs-reserve"):
                 (out / f"{name}-cell{i:02d}-{n}.png").write_bytes(base64.b64decode(png))
     print(name, "executed,", n, "plots")
 PY
-    echo "== the kit, extracted alone, small measure"
-    kit=$(mktemp -d)
-    $py -m lab_helpers.kit build --output "$kit/iteragpu-lab-v1.zip" &&
-    $py -m lab_helpers.kit verify "$kit/iteragpu-lab-v1.zip" &&
-    $py -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$kit/iteragpu-lab-v1.zip" "$kit/x" &&
-    ( cd "$kit/x/iteragpu-lab-v1" &&
-      $py mesure_memoire.py measure --device cuda:0 --batch 1 --context 16 --width 64 --dtype float32 \
-          --warmup 1 --repeats 2 --output "$kit/mesures-petit-essai.json" &&
-      $py mesure_memoire.py compare "$kit/mesures-petit-essai.json" --fail-on-difference |
-        $py -c "import json, sys; d = json.load(sys.stdin); print('kit measure: allocated_exact', d['allocated_exact'], '| workspace detected', d['workspace_detected_bytes'])" ) &&
-    cp "$kit/mesures-petit-essai.json" "$out/kit-mesures-petit-essai.json" || failed=1
-    echo "== benchmark"
-    $py benchmarks/forward_vs_bare.py --output "$out/forward-vs-bare.json" || failed=1
   } > "$out/extras.log" 2>&1
   return $failed
 }
