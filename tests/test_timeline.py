@@ -670,7 +670,7 @@ def test_measure_timeline_max_entries_refuses_bad_numbers(value, capsys):
         mm.main(["measure", "--output", "m.json", "--timeline", "t.json", "--timeline-max-entries", value])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("mesure_memoire measure: error: argument --timeline-max-entries") and err.count("\n") == 1
+    assert err.startswith("mesure_memoire: error: argument --timeline-max-entries") and err.count("\n") == 1
 
 
 def test_measure_timeline_without_gpu_says_so(tmp_path, monkeypatch, capsys):
