@@ -398,6 +398,9 @@ def plot_timeline(timeline, ax=None, top: int = 8, bins: int = 2000, labels=None
         band[has_label & (iv_label == name)] = k
     unlabelled = np.flatnonzero(band < 0)
     largest = unlabelled[np.argsort(-iv_size[unlabelled], kind="stable")[:top]]
+    # a band thinner than 1 % of the peak cannot be seen: such allocations stay in "other"
+    peak = int(a["allocated"].max()) if a["allocated"].size else 0
+    largest = largest[iv_size[largest] * 100 >= peak]
     for k, i in enumerate(largest.tolist()):
         band[i] = len(names) + k
         names.append(f"{iv_size[i] / MIB:.1f} MiB at 0x{int(addresses[i]):x}")

@@ -418,6 +418,22 @@ def test_binned_plot_keeps_the_exact_peak():
     assert max(p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)) == peak
 
 
+def test_plot_gives_no_band_of_its_own_to_an_allocation_under_one_percent_of_the_peak():
+    snapshot, marks = traced_snapshot()  # peak 19 MiB: the 1 MiB block (5.3 %) keeps its band
+    t = tl.timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
+    from matplotlib.figure import Figure
+    ax = Figure().add_subplot()
+    tl.plot_timeline(t, ax=ax, top=8)
+    names = [text.get_text() for text in ax.get_legend().get_texts()] if ax.get_legend() else \
+        [h.get_label() for h in ax.collections]
+    assert "weights" in names and any(n.startswith("1.0 MiB at ") for n in names)
+    t["events"]["size_bytes"][-1] = 512  # now 0.003 % of the peak: folded into "other"
+    ax = Figure().add_subplot()
+    tl.plot_timeline(t, ax=ax, top=8)
+    names = [h.get_label() for h in ax.collections]
+    assert not any(n.startswith("0.0 MiB") for n in names) and "other" in names
+
+
 @pytest.mark.gpu
 def test_gpu_phase_peaks_equal_torch_counters():
     torch = pytest.importorskip("torch")
