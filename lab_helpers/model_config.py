@@ -174,26 +174,27 @@ def load_config(path_or_name: str) -> ModelShape:
             raise ConfigError(f"--config {text!r} is neither a file nor a bundled config "
                               f"({', '.join(bundled_names())})")
         path, name = MODELS_DIR / f"{text}.json", text
+        shown = path.name  # a bundled config: its file name, not where the lab is installed
     else:
-        name = path.stem
+        name, shown = path.stem, text  # the path as the user typed it
     try:
         info = path.stat()
         if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read; a folder is no config
-            raise ConfigError(f"config {path.name} is not a regular file")
+            raise ConfigError(f"config {shown} is not a regular file")
         if info.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path.name}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
+            raise ConfigError(f"{shown}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
         data = json.loads(path.read_text(encoding="utf-8"))
     except ConfigError:
         raise
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config {path.name}: {type(exc).__name__}") from None
+        raise ConfigError(f"cannot read config {shown}: {type(exc).__name__}") from None
     except ValueError as exc:
-        raise ConfigError(f"config {path.name} is not JSON: {exc}") from None
+        raise ConfigError(f"config {shown} is not JSON: {exc}") from None
     except RecursionError:  # nesting deeper than the parser's stack: no config nests like that
-        raise ConfigError(f"config {path.name} nests too deeply to be a config.json") from None
+        raise ConfigError(f"config {shown} nests too deeply to be a config.json") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path.name} must hold a JSON object")
-    _check_finite(data, path.name)
+        raise ConfigError(f"config {shown} must hold a JSON object")
+    _check_finite(data, shown)
     return parse_config(data, name)
 
 

@@ -473,3 +473,11 @@ def test_a_bad_config_is_refused_in_one_line_before_any_work(hostile_folder, nam
 def test_a_bad_flag_is_refused_in_one_line_and_creates_nothing(hostile_folder, argv, words):
     _refused(hostile_folder, argv, words)
     assert (hostile_folder / "taken.json").read_text() == "keep"
+
+
+def test_a_config_path_is_named_as_typed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "bad.json").write_text("not json")
+    with pytest.raises(ConfigError, match=r"^config sub/bad\.json is not JSON"):
+        load_config("sub/bad.json")
