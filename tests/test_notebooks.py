@@ -283,3 +283,10 @@ def test_mesure_memoire_notebook_alone_runs_and_measures_nothing_without_a_gpu(t
     text = "".join(o.get("text", "") for o in sweep.outputs)
     assert text == "No GPU: no sweep (every point is measured on the GPU, in a fresh process).\n"
     assert sorted(p.name for p in alone.iterdir()) == []  # nothing written without a GPU
+
+
+def test_every_notebook_names_the_kernel_as_jupyterlab_saves_it():
+    # JupyterLab rewrites the kernelspec on save: a stored name that differs shows up in `git diff`
+    specs = {path.name: nbformat.read(path, as_version=4).metadata.get("kernelspec") for path in NOTEBOOKS}
+    assert all(spec == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+               for spec in specs.values()), specs
