@@ -287,9 +287,14 @@ class AddressedAllocator(AllocatorModel):
     Among free blocks of equal size the caching allocator takes the lowest address. On the
     H200 (driver 580, CUDA 13.0), segments above 20 MiB were mapped top-down, each below the
     last, while 2 MiB and 20 MiB segments were mapped bottom-up: so among large free blocks
-    of equal size the newest segment's is taken first."""
+    of equal size the newest segment's is taken first. The last segment above 20 MiB that a
+    model's load maps (the one its transient lm_head buffer leaves free, where the cuBLAS
+    workspace and the key/value cache then land) was mapped below every 20 MiB segment, so
+    here every segment above 20 MiB lies below the 20 MiB ones and wins a tie with them (the
+    driver put the very first one, mapped when no other existed, among the 20 MiB segments)."""
 
-    TOP = 2**60
+    # segments above 20 MiB grow down from here, 2 MiB and 20 MiB segments up from here
+    TOP = 0
 
     def __init__(self):
         super().__init__()

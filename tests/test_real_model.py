@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lab_helpers import real_model
-from lab_helpers.alloc_trace import (DEFAULT_BEHAVIOUR, AllocationTracer, CappedAllocator, OutOfMemory,
-                                     argmax_staging_bytes)
+from lab_helpers.alloc_trace import (DEFAULT_BEHAVIOUR, AddressedAllocator, AllocationTracer, CappedAllocator,
+                                     OutOfMemory, argmax_staging_bytes)
 from lab_helpers.mesure_memoire import AllocatorModel, read_measurement
 from lab_helpers.model_config import ConfigError, bundled_names, load_config
 
@@ -202,6 +202,35 @@ def test_capped_allocator_releases_whole_free_segments_before_running_out():
     assert (alloc.allocated, alloc.reserved) == (70 * MIB, 70 * MIB)
     with pytest.raises(OutOfMemory):
         alloc.malloc(40 * MIB)
+
+
+def test_equal_free_blocks_go_to_the_segment_above_20_mib_first():
+    alloc = AddressedAllocator()
+    small_segment = alloc.malloc(2 * MIB)  # a 20 MiB segment: 2 MiB used, 18 MiB free
+    big = alloc.malloc(38 * MIB)  # a segment of its own, mapped below every 20 MiB segment
+    assert big.address + big.size <= small_segment.address
+    alloc.free(big)
+    alloc.malloc(20 * MIB)  # 18 MiB free does not fit: the 38 MiB block splits, 18 MiB stay free
+    free_18 = sorted((b.address, sum(m.size for m in b.segment)) for b in alloc.free_blocks[False] if b.size == 18 * MIB)
+    assert [segment for _, segment in free_18] == [38 * MIB, 20 * MIB]
+    taken = alloc.malloc(18 * MIB)  # a tie of sizes: the lowest address, the 38 MiB segment's
+    assert (taken.address, sum(m.size for m in taken.segment)) == free_18[0]
+
+
+def test_decode_across_one_mib_per_cache_tensor_matches_the_h200():
+    # measured on an H200 (torch 2.11.0+cu130, transformers 5.17.0): each key/value tensor grows
+    # from 1 MiB (small pool) to 1050624 bytes (large pool) in the first decode step
+    shape = load_config("qwen1.5-0.5b")
+    prediction = real_model.predict_model(shape, real_model.RunSpec("qwen1.5-0.5b", batch=1, context=512, new_tokens=4))
+    got = [(r["phase"], r["index"], r["baseline_allocated_bytes"], r["end_allocated_bytes"],
+            r["peak_allocated_bytes"], r["end_reserved_bytes"], r["peak_reserved_bytes"]) for r in prediction["phases"]]
+    assert got[2:] == [
+        ("prefill", None, 950000640, 1034935808, 1048177664, 1358954496, 1358954496),
+        ("decode", 0, 1034935808, 1041534464, 1042596864, 1358954496, 1358954496),
+        ("decode", 1, 1041534464, 1058381312, 1059445760, 1358954496, 1358954496),
+        ("decode", 2, 1058381312, 1063652864, 1064719360, 1358954496, 1358954496),
+        ("decode", 3, 1063652864, 1052743168, 1065778176, 1358954496, 1358954496),
+    ]
 
 
 # -------------------------------------------------------------- predictions
