@@ -999,10 +999,10 @@ def _check_device(torch, config: MeasureConfig):
     return torch.device("cuda", config.device_index)
 
 
-def _phase(torch, device, name, action, index=None, passes=0, history=None):
+def _phase(torch, device, name, action, index=None, passes=0, history=None, failed_as=None):
     """Run `action` as one phase; return (record, what action returned). With a HistoryRecorder
     `history`, mark the phase on the trace's clock (between the synchronizations) and on failure
-    let it save the allocator's state."""
+    let it save the allocator's state. A failure names the phase `failed_as` (default `name`)."""
     torch.cuda.synchronize(device)
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
@@ -1018,7 +1018,7 @@ def _phase(torch, device, name, action, index=None, passes=0, history=None):
         seconds = time.perf_counter() - started
         device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
     except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
-        error = PhaseError(name, exc)
+        error = PhaseError(failed_as or name, exc)
         if history is not None:
             history.mark(name, index, start_us, now_us())
             history.failure(torch, device, error)
@@ -1037,6 +1037,13 @@ def _phase(torch, device, name, action, index=None, passes=0, history=None):
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
     }
     return record, result
+
+
+def run_phase(torch, device, name, action, index=None, passes=0, history=None, failed_as=None):
+    """One phase measured as `measure` measures it (for other measuring commands): synchronize,
+    reset the peaks, run `action`, read the allocator's counters; return (record, what action
+    returned). PhaseError on a CUDA failure; with `history`, the phase is marked on the timeline."""
+    return _phase(torch, device, name, action, index, passes, history, failed_as)
 
 
 def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> dict:
@@ -1134,6 +1141,7 @@ DEFAULT_MAX_ENTRIES = 1_000_000  # ring buffer of the allocator's history; older
 MAX_HISTORY_ENTRIES = 2**31 - 1
 STACK_FRAMES_KEPT = 12  # innermost frames kept per allocation with --timeline-stacks
 WEIGHTS_LABEL, INPUTS_LABEL, WORKSPACE_LABEL = "weights", "inputs", "workspace"
+KV_CACHE_LABEL = "kv_cache"  # a transformers model's key/value cache (real_model measure)
 
 
 def now_us() -> int:
@@ -1422,10 +1430,17 @@ class HistoryRecorder:
 
     def finish(self, torch, device, state) -> None:
         """Build the timeline from the snapshot, labelling weights, inputs and workspaces."""
-        snapshot = torch.cuda.memory._snapshot(device)
         labels = {p.untyped_storage().data_ptr(): WEIGHTS_LABEL for p in state["model"].parameters()}
         labels[state["x"].untyped_storage().data_ptr()] = INPUTS_LABEL
-        cold = [m for m in self.marks if m[0] == "cold_forward"]
+        self.finish_labelled(torch, device, labels, "cold_forward")
+
+    def finish_labelled(self, torch, device, labels: dict, workspace_phase=None) -> None:
+        """Build the timeline from the snapshot now. `labels` {storage address: label} names the
+        tensors still alive; addresses allocated in the first phase named `workspace_phase` (the
+        first forward pass) and never released are labelled workspaces unless already labelled."""
+        snapshot = torch.cuda.memory._snapshot(device)
+        labels = dict(labels)
+        cold = [m for m in self.marks if m[0] == workspace_phase]
         traces = snapshot.get("device_traces", [])
         trace = traces[device.index] if device.index < len(traces) else []
         if cold:
@@ -1840,18 +1855,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failure-report", metavar="PATH",
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
-    p.add_argument("--timeline", metavar="FILE",
-                   help="record the allocator's history and write the compact timeline (every allocation "
-                        "and release with bytes, time and phase; segments; phase boundaries) to this new "
-                        "file, after --output; on out of memory, save the allocator's snapshot to FILE "
-                        "with .json replaced by .oom.json instead (read it with: python -m "
-                        "lab_helpers.timeline explain)")
-    p.add_argument("--timeline-stacks", action="store_true",
-                   help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
-                        f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
-    p.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
-                   default=DEFAULT_MAX_ENTRIES,
-                   help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
+    add_timeline_flags(p)
     p = command("predict")
     add_size_flags(p)
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
@@ -1876,6 +1880,45 @@ def _workspace_from(args):
     if len(args.workspace_bytes) > MAX_WORKSPACE_BLOCKS:
         raise LabError(f"--workspace-bytes takes at most {MAX_WORKSPACE_BLOCKS} blocks, got {len(args.workspace_bytes)}")
     return tuple(args.workspace_bytes)
+
+
+def add_timeline_flags(parser) -> None:
+    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="record the allocator's history and write the compact timeline (every allocation "
+                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
+                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
+                             "with .json replaced by .oom.json instead (read it with: python -m "
+                             "lab_helpers.timeline explain)")
+    parser.add_argument("--timeline-stacks", action="store_true",
+                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
+                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
+    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
+                        default=DEFAULT_MAX_ENTRIES,
+                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
+
+
+def timeline_recorder(args, outputs: dict) -> "HistoryRecorder | None":
+    """The HistoryRecorder that parsed timeline flags ask for, or None; checks before any work that
+    the timeline and its .oom.json can be created and differ from `outputs` {flag: path or None},
+    already checked by the caller."""
+    if args.timeline is None:
+        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+        return None
+    check_new_output(args.timeline)
+    check_new_output(oom_snapshot_path(args.timeline))
+    paths = [os.path.abspath(p) for p in (*outputs.values(), args.timeline, oom_snapshot_path(args.timeline))
+             if p is not None]
+    if len(set(paths)) != len(paths):
+        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files")
+    return HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+
+
+def write_timeline(path, history: "HistoryRecorder") -> dict:
+    """Write the recorded timeline to the new file `path`; return the result's fields about it."""
+    write_new_text(path, json.dumps(history.timeline, separators=(",", ":"), allow_nan=False) + "\n")
+    return {"timeline": display_path(path), "timeline_events": len(history.timeline["events"]["time_us"])}
 
 
 def check_new_output(path) -> None:
@@ -1919,29 +1962,18 @@ def run_command(args) -> dict:
     check_new_output(args.output)
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    history = None
-    if args.timeline is not None:
-        check_new_output(args.timeline)
-        check_new_output(oom_snapshot_path(args.timeline))
-        outputs = [os.path.abspath(p) for p in (args.output, args.failure_report, args.timeline,
-                                                oom_snapshot_path(args.timeline)) if p is not None]
-        if len(set(outputs)) != len(outputs):
-            raise LabError("--output, --failure-report, --timeline and its .oom.json must be different files")
-        history = HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
-    elif args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
-        raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+    history = timeline_recorder(args, {"--output": args.output, "--failure-report": args.failure_report})
     document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
     result = {"output": display_path(args.output), "phases": len(document["phases"])}
     if history is not None:
-        write_new_text(args.timeline, json.dumps(history.timeline, separators=(",", ":"), allow_nan=False) + "\n")
-        result["timeline"] = display_path(args.timeline)
-        result["timeline_events"] = len(history.timeline["events"]["time_us"])
+        result.update(write_timeline(args.timeline, history))
     return result
 
 
-def _save_oom_snapshot(timeline_path, error: PhaseError) -> str:
-    """Write the snapshot the failed phase left (if any); return the note for the error line."""
+def save_oom_snapshot(timeline_path, error: PhaseError) -> str:
+    """Write the snapshot the failed phase left (if any) to oom_snapshot_path(timeline_path);
+    return the note for the error line."""
     if error.oom_snapshot is None:
         if error.oom_snapshot_problem:
             return f"; no out-of-memory snapshot: {error.oom_snapshot_problem}"
@@ -1990,7 +2022,7 @@ def main(argv=None) -> int:
             except LabError as write_error:
                 note += f"; failure report not written: {write_error}"
         if getattr(args, "timeline", None) is not None:
-            note += _save_oom_snapshot(args.timeline, exc)
+            note += save_oom_snapshot(args.timeline, exc)
         print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
         return EXIT_PHASE
     if getattr(args, "format", "json") == "table":

@@ -14,15 +14,17 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # >>> library only
 from lab_helpers.calcul_forfaits import ForfaitError, load_card
-from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, AllocatorModel, CommandParser, LabError,
-                                       PhaseError, check_new_output, display_path, environment, parse_device,
-                                       read_json_file, usable_memory, whole_number, write_new_json)
+from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
+                                       WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
+                                       PhaseError, add_timeline_flags, check_new_output, display_path,
+                                       environment, parse_device, read_json_file, run_phase, save_oom_snapshot,
+                                       timeline_recorder, usable_memory, whole_number, write_new_json,
+                                       write_timeline)
 from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
                                       parse_config)
 # <<< library only
@@ -172,12 +174,14 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) ->
             generator = torch.Generator(device=device).manual_seed(spec.seed)
             ids = torch.randint(0, shape.vocab, (spec.batch, spec.context), device=device, generator=generator)
         state["ids"] = ids
+        return ids
 
     def prefill():
         cache = DynamicCache(config=hf_config)
         out = state["model"](input_ids=state["ids"], past_key_values=cache, use_cache=True, logits_to_keep=1)
         state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
         state["cache"] = cache
+        return cache
 
     def decode_step():
         out = state["model"](input_ids=state["next"], past_key_values=state["cache"], use_cache=True,
@@ -223,8 +227,10 @@ def _check_cuda(torch, spec: RunSpec):
     return torch.device(spec.device)
 
 
-def measure_model(shape: ModelShape, spec: RunSpec) -> dict:
-    """Measure every phase on the GPU and return the measurement document."""
+def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | None" = None) -> dict:
+    """Measure every phase on the GPU and return the measurement document. With a HistoryRecorder
+    (mesure_memoire's), the allocator's history is recorded for the run and `history.timeline`
+    holds the timeline, weights, inputs, KV cache and workspaces labelled."""
     spec.checked()
     try:
         import torch
@@ -235,42 +241,35 @@ def measure_model(shape: ModelShape, spec: RunSpec) -> dict:
     torch.cuda.set_device(device)
     torch.cuda.init()
     env = environment(spec.device, usable_memory_figure=False)  # a probe child would fill the GPU mid-run
-    phases = []
+    phases, alive = [], {}  # alive: the model, inputs and cache, kept for the timeline's labels
 
     def phase(name, action, index, recorded):
+        failed_as = name if index is None else f"{name} {index}"
         if not recorded:
             try:
                 action()
             except RuntimeError as exc:
-                raise PhaseError(f"{name} {index}", exc) from None
+                error = PhaseError(failed_as, exc)
+                if history is not None:
+                    history.failure(torch, device, error)
+                raise error from None
             return
-        torch.cuda.synchronize(device)
-        baseline_allocated = torch.cuda.memory_allocated(device)
-        baseline_reserved = torch.cuda.memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        try:
-            started = time.perf_counter()
-            start.record()
-            action()
-            end.record()
-            torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - started
-            device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
-        except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
-            raise PhaseError(name if index is None else f"{name} {index}", exc) from None
-        stats = torch.cuda.memory_stats(device)
-        phases.append({
-            "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
-            "seconds": seconds, "device_seconds": device_seconds,
-            "baseline_allocated_bytes": baseline_allocated, "baseline_reserved_bytes": baseline_reserved,
-            "end_allocated_bytes": stats["allocated_bytes.all.current"],
-            "end_reserved_bytes": stats["reserved_bytes.all.current"],
-            "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
-            "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
-        })
+        record, result = run_phase(torch, device, name, action, index, 1 if name in ("prefill", "decode") else 0,
+                                   history, failed_as)
+        phases.append(record)
+        if history is not None and name in ("model_load", "inputs", "prefill"):
+            alive[name] = result
 
-    run_protocol(shape, spec, device, phase)
+    if history is None:
+        run_protocol(shape, spec, device, phase)
+    else:
+        history.start(torch)
+        try:
+            run_protocol(shape, spec, device, phase)
+            history.finish_labelled(torch, device, _timeline_labels(alive), workspace_phase="prefill")
+        finally:
+            history.stop(torch)
+            alive.clear()
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab measurement",
@@ -279,6 +278,19 @@ def measure_model(shape: ModelShape, spec: RunSpec) -> dict:
         "model": model_description(shape, spec.dtype),
         "phases": phases,
     }
+
+
+def _timeline_labels(alive: dict) -> dict:
+    """{storage address: label} of the tensors alive at the end of the run: the parameters, the
+    prompt's token ids and the key/value tensors the cache holds after the last decode step."""
+    labels = {p.untyped_storage().data_ptr(): WEIGHTS_LABEL for p in alive["model_load"].parameters()}
+    labels[alive["inputs"].untyped_storage().data_ptr()] = INPUTS_LABEL
+    for layer in getattr(alive["prefill"], "layers", ()):  # transformers 5: one DynamicLayer per layer
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and hasattr(tensor, "untyped_storage") and tensor.numel():
+                labels[tensor.untyped_storage().data_ptr()] = KV_CACHE_LABEL
+    return labels
 
 
 # ----------------------------------------------------------------- predict
@@ -637,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda:0", help="an explicit cuda:N (default cuda:0)")
     p.add_argument("--seed", type=whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
     p.add_argument("--output", required=True, help="new JSON file, created after the last phase; never overwritten")
+    add_timeline_flags(p)
     p = sub.add_parser("compare", help="a measurement file beside its prediction, phase by phase")
     p.add_argument("measurement", help="a JSON file written by measure")
     p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
@@ -708,9 +721,13 @@ def run_command(args) -> dict:
         return predict_model(shape, spec)
     output = Path(args.output)
     check_new_output(output)  # before the model is built, not after minutes of work
-    document = measure_model(shape, spec)
+    history = timeline_recorder(args, {"--output": args.output})
+    document = measure_model(shape, spec, history)
     write_new_json(output, document)
-    return {"output": str(output), "phases": len(document["phases"])}
+    result = {"output": str(output), "phases": len(document["phases"])}
+    if history is not None:
+        result.update(write_timeline(args.timeline, history))
+    return result
 
 
 def main(argv=None) -> int:
@@ -722,7 +739,8 @@ def main(argv=None) -> int:
         print(f"real_model: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PhaseError as exc:
-        print(f"real_model: error: {exc}; no file written", file=sys.stderr)
+        note = save_oom_snapshot(args.timeline, exc) if getattr(args, "timeline", None) is not None else ""
+        print(f"real_model: error: {exc}; no file written{note}", file=sys.stderr)
         return EXIT_PHASE
     if getattr(args, "format", "json") == "table":
         print(format_table(args.command, result))

@@ -510,3 +510,118 @@ def test_a_config_path_is_named_as_typed(tmp_path, monkeypatch):
     (tmp_path / "sub" / "bad.json").write_text("not json")
     with pytest.raises(ConfigError, match=r"^config sub/bad\.json is not JSON"):
         load_config("sub/bad.json")
+
+
+# ------------------------------------------------------------------ measure --timeline
+TIMELINE_REFUSED = [  # (flags after the sizes, words of the one-line error)
+    (["--output", "new.json", "--timeline", "taken.json"], "taken.json already exists"),
+    (["--output", "new.json", "--timeline", "new.json"], "--output, --timeline and its .oom.json must be different"),
+    (["--output", "new.oom.json", "--timeline", "new.json"], "--output, --timeline and its .oom.json must be different"),
+    (["--output", "new.json", "--timeline", "missing/t.json"], "its folder does not exist"),
+    (["--output", "new.json", "--timeline", "taken.json/t.json"], "taken.json"),
+    (["--output", "new.json", "--timeline-stacks"], "--timeline-stacks and --timeline-max-entries need --timeline"),
+    (["--output", "new.json", "--timeline-max-entries", "10"], "need --timeline FILE"),
+    *[(["--output", "new.json", "--timeline", "t.json", "--timeline-max-entries", bad], "--timeline-max-entries")
+      for bad in ("0", "-1", "1.5", "x", "\u0661", str(2**31))],
+]
+
+
+@pytest.mark.parametrize("flags,words", TIMELINE_REFUSED, ids=[f"{i}" for i in range(len(TIMELINE_REFUSED))])
+def test_measure_timeline_flags_are_refused_in_one_line_before_any_work(hostile_folder, flags, words):
+    _refused(hostile_folder, ["measure", "--config", "tiny.json", *SIZES, *flags], words)
+    assert (hostile_folder / "taken.json").read_text() == "keep"
+
+
+def test_measure_timeline_refuses_a_taken_oom_snapshot_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(real_model, "measure_model", lambda *a: pytest.fail("measured despite a taken path"))
+    (tmp_path / "t.oom.json").write_text("keep")
+    code, out, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), *SIZES,
+                              "--output", tmp_path / "m.json", "--timeline", tmp_path / "t.json")
+    assert code == 2 and out == "" and err == [f"real_model: error: {tmp_path / 't.oom.json'} already exists; "
+                                              "choose a new file name"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json", "tiny.json"]
+    assert (tmp_path / "t.oom.json").read_text() == "keep"
+
+
+def test_measure_timeline_without_a_gpu_says_so_and_writes_nothing(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    config = tiny_config(tmp_path)
+    code, out, err = run_main(capsys, "measure", "--config", config, *SIZES, "--output", tmp_path / "m.json",
+                              "--timeline", tmp_path / "t.json", "--timeline-stacks")
+    assert code == 2 and out == "" and len(err) == 1 and "no CUDA device" in err[0] and "CPU" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.json"]
+
+
+def _fake_timeline():
+    from lab_helpers import mesure_memoire as mm
+    snapshot = {"segments": [], "device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MIB, "stream": 0, "time_us": 100},
+        {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 110}]]}
+    return mm.timeline_from_snapshot(snapshot, [("model_load", None, 100, 120)], device=0)
+
+
+def test_measure_timeline_is_written_after_the_measurement(tmp_path, monkeypatch, capsys):
+    from lab_helpers import mesure_memoire as mm
+    order = []
+
+    def fake_measure(shape, spec, history):
+        assert isinstance(history, mm.HistoryRecorder) and history.stacks and history.max_entries == 5000
+        history.timeline = _fake_timeline()
+        return {"phases": [{}, {}, {}]}
+    real_text = mm.write_new_text  # write_new_json writes through it too
+    monkeypatch.setattr(real_model, "measure_model", fake_measure)
+    monkeypatch.setattr(mm, "write_new_text", lambda p, t: (order.append(Path(p).name), real_text(p, t)))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), *SIZES, "--output", "m.json",
+                              "--timeline", "t.json", "--timeline-stacks", "--timeline-max-entries", 5000)
+    assert code == 0, err
+    assert json.loads(out) == {"output": "m.json", "phases": 3, "timeline": "t.json", "timeline_events": 2}
+    assert order == ["m.json", "t.json"]
+    assert json.loads((tmp_path / "t.json").read_text()) == _fake_timeline()
+
+
+def test_measure_out_of_memory_with_timeline_writes_only_the_snapshot(tmp_path, monkeypatch, capsys):
+    from lab_helpers import mesure_memoire as mm
+
+    def failing_measure(shape, spec, history):
+        error = mm.PhaseError("decode 3", RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+        error.oom_snapshot = {"kind": mm.OOM_SNAPSHOT_KIND, "phase": error.phase, "failed_request_bytes": 2 * MIB}
+        raise error
+    monkeypatch.setattr(real_model, "measure_model", failing_measure)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), *SIZES, "--output", "m.json",
+                              "--timeline", "t.json")
+    assert code == 3 and out == ""
+    assert err == ["real_model: error: phase decode 3 failed: RuntimeError: CUDA out of memory. Tried to allocate "
+                   "2.00 MiB; no file written; out-of-memory snapshot: t.oom.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json", "tiny.json"]
+    assert json.loads((tmp_path / "t.oom.json").read_text())["failed_request_bytes"] == 2 * MIB
+    # a CUDA error that is not out of memory leaves no snapshot and says nothing about one
+    monkeypatch.setattr(real_model, "measure_model", lambda *a: (_ for _ in ()).throw(
+        mm.PhaseError("prefill", RuntimeError("CUDA error: an illegal memory access was encountered"))))
+    code, _, err = run_main(capsys, "measure", "--config", "tiny.json", *SIZES, "--output", "m.json",
+                            "--timeline", "u.json")
+    assert code == 3 and err[0].endswith("illegal memory access was encountered; no file written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json", "tiny.json"]
+
+
+def test_timeline_labels_name_the_parameters_inputs_and_the_cache_tensors(tmp_path):
+    from transformers import AutoModelForCausalLM, DynamicCache
+    hf_config = real_model._hf_config(real_model.load_shape(str(tiny_config(tmp_path))))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 8))
+    cache = DynamicCache(config=hf_config)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    labels = real_model._timeline_labels({"model_load": model, "inputs": ids, "prefill": cache})
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kv = [t.untyped_storage().data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert len(set(kv)) == 2 * TINY["num_hidden_layers"]
+    assert all(layer.keys.shape[-2] == 9 for layer in cache.layers)  # the prompt's 8 tokens and one decoded
+    assert {a: labels[a] for a in kv} == dict.fromkeys(kv, "kv_cache")
+    assert {a: labels[a] for a in weights} == dict.fromkeys(weights, "weights")
+    assert labels[ids.untyped_storage().data_ptr()] == "inputs"
+    assert len(labels) == len(weights) + len(kv) + 1
