@@ -24,7 +24,7 @@ from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_
                                        PhaseError, add_timeline_flags, check_new_output, display_path,
                                        environment, parse_device, read_json_file, run_phase, save_oom_snapshot,
                                        timeline_recorder, usable_memory, whole_number, write_new_json,
-                                       write_timeline)
+                                       write_timeline, quiet_broken_pipe)
 from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
                                       parse_config)
 # <<< library only
@@ -730,6 +730,7 @@ def run_command(args) -> dict:
     return result
 
 
+@quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
