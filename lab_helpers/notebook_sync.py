@@ -35,6 +35,7 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/model_config.py",
         "lab_helpers/alloc_trace.py",
         "lab_helpers/real_model.py",
+        "lab_helpers/plots.py",
     ),
 }
 TAG_PREFIX = GENERATED_TAG_PREFIX

@@ -118,13 +118,19 @@ BY_KIND_KEY = "end_allocated_bytes_by_kind"
 def bytes_by_kind(document) -> dict:
     """Per phase label, the end allocated bytes split by kind and the end reserved bytes:
     {"labels", "kinds", "by_kind" {kind: [bytes per phase]}, "reserved" [bytes per phase]}.
-    Needs a document whose phases carry ``end_allocated_bytes_by_kind`` (mesure_memoire.predict's)."""
+    Needs a document whose phases carry ``end_allocated_bytes_by_kind``: a prediction of
+    mesure_memoire.predict (synthetic network) or real_model.predict_model (adds kv_cache)."""
     phases = _document(document)["phases"]
     kinds = []
     for i, p in enumerate(phases):
         split = p.get(BY_KIND_KEY)
         if not isinstance(split, dict):
-            raise LabError(f"phase {i} has no {BY_KIND_KEY}: use a prediction (mesure_memoire.predict)")
+            raise LabError(f"phase {i} has no {BY_KIND_KEY}: use a prediction (mesure_memoire.predict "
+                           "or real_model.predict_model)")
+        bad = [k for k, v in split.items() if type(v) is not int or v < 0]
+        if bad:  # a negative part would draw a bar below the others and still add up
+            raise LabError(f"phase {i}: {BY_KIND_KEY}[{bad[0]!r}] is {split[bad[0]]!r}, "
+                           "not a whole number of bytes >= 0")
         if sum(split.values()) != p["end_allocated_bytes"]:
             raise LabError(f"phase {i}: {BY_KIND_KEY} adds up to {sum(split.values())} bytes, "
                            f"not its end_allocated_bytes {p['end_allocated_bytes']}")

@@ -397,7 +397,10 @@ def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str) -
 
 
 def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weights: int, workspace: int) -> None:
-    """Add to each predicted phase what its allocated bytes are made of."""
+    """Add to each predicted phase what its allocated bytes are made of at its end:
+    ``end_allocated_bytes_by_kind`` (weights, inputs, kv_cache, workspace, activations; they add up
+    to end_allocated_bytes) and, as earlier versions wrote it, ``bytes_at_end``."""
+    prompt = _prompt_bytes(spec)
     for record in prediction["phases"]:
         if record["phase"] in ("model_load", "inputs"):
             positions = 0
@@ -413,8 +416,23 @@ def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weig
             "workspace_bytes": held_workspace,
             "other_bytes": record["end_allocated_bytes"] - weights - kv - held_workspace,
         }
+        inputs = 0 if record["phase"] == "model_load" else prompt
+        record["end_allocated_bytes_by_kind"] = {
+            "weights": weights,
+            "inputs": inputs,
+            "kv_cache": kv,
+            "workspace": held_workspace,
+            # the rest: the last token chosen, and whatever the step still holds
+            "activations": record["end_allocated_bytes"] - weights - inputs - kv - held_workspace,
+        }
         # alive at the phase's peak and gone by its end: activations, logits, kernel scratch
         record["transient_peak_bytes"] = record["peak_allocated_bytes"] - record["end_allocated_bytes"]
+
+
+def _prompt_bytes(spec: RunSpec) -> int:
+    """Allocated bytes of the prompt: one int64 tensor of token ids (8 bytes each), batch x context,
+    alive from the inputs phase to the end of the run."""
+    return AllocatorModel.round_size(spec.batch * spec.context * 8)
 
 
 # ----------------------------------------------------------------- compare

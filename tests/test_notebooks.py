@@ -84,7 +84,8 @@ def test_sync_check_command_names_the_fix(tmp_path):
     edited = tmp_path / "lab_helpers" / "plots.py"
     edited.write_text(edited.read_text() + "\nEDITED_ONLY_IN_THE_LIBRARY = 1\n")
     both = ["notebooks/mesure-memoire.ipynb <- lab_helpers/plots.py",
-            "notebooks/pic-vs-reserve.ipynb <- lab_helpers/plots.py"]
+            "notebooks/pic-vs-reserve.ipynb <- lab_helpers/plots.py",
+            "notebooks/real-model.ipynb <- lab_helpers/plots.py"]
     assert notebook_sync.sync(tmp_path, check=True) == both
     assert notebook_sync.sync(tmp_path) == both
     assert notebook_sync.sync(tmp_path, check=True) == []

@@ -4,11 +4,19 @@ import json
 import matplotlib
 import pytest
 
-from conftest import full_measurement
+from conftest import ROOT, full_measurement
 
 matplotlib.use("Agg")
 
 MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """pyplot keeps every figure a plot function opens: close them after each test."""
+    yield
+    import matplotlib.pyplot as plt
+    plt.close("all")
 
 
 def document(mm):
@@ -80,3 +88,169 @@ def test_transformers_phases_plot_like_synthetic_ones(mm, plots):
         phase.update(phase=name, index=index)
     table = plots.phase_table(doc)
     assert list(table.index) == ["model_load", "inputs", "prefill", "decode #0", "decode #1"]
+
+
+# ------------------------------------------------------------ where the bytes go, real models
+# A llama small enough to trace in a second: 2 layers, 4 heads of 16, 2 key/value heads, float32.
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000,
+              "max_position_embeddings": 4096}
+REAL_MODEL_NOTEBOOK = "notebooks/real-model.ipynb"
+
+
+@pytest.fixture(scope="module", params=("library", "notebook"))
+def model_and_plots(request, tmp_path_factory):
+    """(module with predict_model, module with plot_bytes_by_kind): the library's, or what the
+    real-model notebook's kernel has defined once its plots cell has run (one namespace)."""
+    if request.param == "library":
+        from lab_helpers import plots as library_plots
+        from lab_helpers import real_model
+        return real_model, library_plots
+    from conftest import load_module
+    from lab_helpers import notebook_sync
+    path = tmp_path_factory.mktemp("real-model-notebook") / "real_model_notebook.py"
+    path.write_text(notebook_sync.notebook_code_upto(REAL_MODEL_NOTEBOOK, "lab_helpers/plots.py"), encoding="utf-8")
+    module = load_module(path)
+    return module, module
+
+
+@pytest.fixture(scope="module")
+def tiny_prediction(model_and_plots):
+    real_model = model_and_plots[0]
+    shape = real_model.parse_config(TINY_LLAMA, "tiny")
+    spec = real_model.RunSpec("tiny", dtype="float32", batch=3, context=5, new_tokens=3)
+    return real_model.predict_model(shape, spec)
+
+
+def test_real_model_prediction_splits_end_allocated_by_kind_to_the_byte(tiny_prediction):
+    phases = tiny_prediction["phases"]
+    assert [(p["phase"], p["index"]) for p in phases] == [("model_load", None), ("inputs", None), ("prefill", None),
+                                                          ("decode", 0), ("decode", 1), ("decode", 2)]
+    # weights: embeddings and lm_head 1000 x 64 x 4 = 256000 each; per layer q, o 16384, k, v 8192,
+    # gate, up, down 32768, two norms 256 -> 512; the final norm and the rotary embedding's two
+    # buffers (inv_freq, original_inv_freq: 8 floats) take 512 each
+    weights = 2 * 256000 + 2 * (2 * 16384 + 2 * 8192 + 3 * 32768 + 2 * 512) + 3 * 512
+    assert weights == 810496
+    ids = 512  # the prompt: 3 x 5 int64 = 120 bytes, one 512-byte block
+    # per layer, keys and values: 3 x 2 heads x positions x 16 x 4 bytes, rounded up to 512
+    kv = {5: 4 * 2048, 6: 4 * 2560, 7: 4 * 3072, 8: 4 * 3072}
+    workspace = 32 * MIB  # cuBLAS's, held from the first product on
+    chosen = 512  # the token each step chose: 3 x 1 int64
+    assert [p["end_allocated_bytes_by_kind"] for p in phases] == [
+        {"weights": weights, "inputs": 0, "kv_cache": 0, "workspace": 0, "activations": 0},
+        {"weights": weights, "inputs": ids, "kv_cache": 0, "workspace": 0, "activations": 0},
+        {"weights": weights, "inputs": ids, "kv_cache": kv[5], "workspace": workspace, "activations": chosen},
+        {"weights": weights, "inputs": ids, "kv_cache": kv[6], "workspace": workspace, "activations": chosen},
+        {"weights": weights, "inputs": ids, "kv_cache": kv[7], "workspace": workspace, "activations": chosen},
+        {"weights": weights, "inputs": ids, "kv_cache": kv[8], "workspace": workspace, "activations": chosen},
+    ]
+    for p in phases:
+        assert sum(p["end_allocated_bytes_by_kind"].values()) == p["end_allocated_bytes"]
+        # the older split stays as it was: inputs and activations together in other_bytes
+        old = p["bytes_at_end"]
+        assert sorted(old) == ["kv_cache_bytes", "other_bytes", "weights_bytes", "workspace_bytes"]
+        split = p["end_allocated_bytes_by_kind"]
+        assert old["other_bytes"] == split["inputs"] + split["activations"]
+        assert (old["weights_bytes"], old["kv_cache_bytes"], old["workspace_bytes"]) == (
+            split["weights"], split["kv_cache"], split["workspace"])
+
+
+def real_measurement_of(prediction):
+    """The prediction's counters as a measurement would carry them (no by-kind split), with a
+    decode step that ended 512 bytes above and its reserved 2 MiB above: a fixture, not a GPU's."""
+    measured = json.loads(json.dumps(prediction))
+    for p in measured["phases"]:
+        for key in ("end_allocated_bytes_by_kind", "bytes_at_end", "transient_peak_bytes"):
+            del p[key]
+    measured["phases"][4]["end_allocated_bytes"] += 512
+    measured["phases"][4]["end_reserved_bytes"] += 2 * MIB
+    return measured
+
+
+def test_plot_bytes_by_kind_stacks_a_real_model_prediction_under_its_measurement(model_and_plots, tiny_prediction):
+    plots = model_and_plots[1]
+    phases = tiny_prediction["phases"]
+    measured = real_measurement_of(tiny_prediction)
+    ax = plots.plot_bytes_by_kind(tiny_prediction, measured)
+    kinds = ["weights", "inputs", "kv_cache", "workspace", "activations"]
+    assert [c.get_label() for c in ax.containers] == [f"allocated: {k}" for k in kinds] + ["reserved"]
+    n = len(phases)
+    below = [0] * n
+    for kind, bars in zip(kinds, ax.containers):
+        assert [round(b.get_height() * MIB) for b in bars] == [p["end_allocated_bytes_by_kind"][kind] for p in phases]
+        assert [round(b.get_y() * MIB) for b in bars] == below  # stacked on the kinds before it
+        below = [b + p["end_allocated_bytes_by_kind"][kind] for b, p in zip(below, phases)]
+    assert below == [p["end_allocated_bytes"] for p in phases]
+    reserved = ax.containers[-1]
+    assert [round(b.get_height() * MIB) for b in reserved] == [p["end_reserved_bytes"] for p in phases]
+    allocated_x = [b.get_x() + b.get_width() / 2 for b in ax.containers[0]]
+    reserved_x = [b.get_x() + b.get_width() / 2 for b in reserved]
+    assert all(a < r for a, r in zip(allocated_x, reserved_x))  # reserved beside, to the right
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["measured end allocated", "measured end reserved"]
+    total, cached = lines["measured end allocated"], lines["measured end reserved"]
+    # the measured totals sit over their own bars, as markers without a joining line
+    assert list(total.get_xdata()) == pytest.approx(allocated_x)
+    assert list(cached.get_xdata()) == pytest.approx(reserved_x)
+    assert total.get_linestyle() == cached.get_linestyle() == "None"
+    assert [round(y * MIB) for y in total.get_ydata()] == [p["end_allocated_bytes"] for p in measured["phases"]]
+    assert [round(y * MIB) for y in cached.get_ydata()] == [p["end_reserved_bytes"] for p in measured["phases"]]
+    assert round(total.get_ydata()[4] * MIB) == phases[4]["end_allocated_bytes"] + 512
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "model_load", "inputs", "prefill", "decode #0", "decode #1", "decode #2"]
+    assert "measured totals as markers" in ax.get_title()
+
+
+def test_plot_bytes_by_kind_without_a_measurement_draws_the_prediction_alone(model_and_plots, tiny_prediction):
+    ax = model_and_plots[1].plot_bytes_by_kind(tiny_prediction)
+    assert ax.get_lines() == []
+    assert len(ax.containers) == 6 and "measured" not in ax.get_title()
+
+
+def test_plot_bytes_by_kind_refuses_what_it_cannot_draw_truthfully(model_and_plots, tiny_prediction):
+    plots = model_and_plots[1]
+    measured = real_measurement_of(tiny_prediction)
+    with pytest.raises(Exception, match=r"phase 0 has no end_allocated_bytes_by_kind: use a prediction") as caught:
+        plots.plot_bytes_by_kind(measured)  # a measurement knows totals, not what they are made of
+    assert type(caught.value).__name__ == "LabError"
+    skipped = json.loads(json.dumps(measured))
+    del skipped["phases"][3]  # decode #0 not recorded: another protocol
+    with pytest.raises(Exception, match="the measurement's phases differ from the prediction's"):
+        plots.plot_bytes_by_kind(tiny_prediction, skipped)
+    for value, shown in ((-512, "-512"), (512.0, "512.0"), (True, "True"), ("512", "'512'"), (None, "None")):
+        bad = json.loads(json.dumps(tiny_prediction))
+        split = bad["phases"][2]["end_allocated_bytes_by_kind"]
+        split["kv_cache"], split["activations"] = value, split["activations"] + split["kv_cache"]
+        with pytest.raises(Exception, match=rf"phase 2: end_allocated_bytes_by_kind\['kv_cache'\] is {shown}, "
+                                            "not a whole number of bytes >= 0"):
+            plots.plot_bytes_by_kind(bad)
+    bad = json.loads(json.dumps(tiny_prediction))
+    bad["phases"][5]["end_allocated_bytes_by_kind"]["inputs"] += 512
+    with pytest.raises(Exception, match=r"phase 5: end_allocated_bytes_by_kind adds up to \d+ bytes, not its "
+                                        r"end_allocated_bytes \d+"):
+        plots.plot_bytes_by_kind(bad)
+
+
+def where_the_bytes_go_cell() -> str:
+    import nbformat
+    nb = nbformat.read(ROOT / REAL_MODEL_NOTEBOOK, as_version=4)
+    found = [c.source for c in nb.cells if c.cell_type == "code" and "plot_bytes_by_kind(prediction" in c.source
+             and not c.metadata.get("tags")]
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("measured", (False, True), ids=("no-gpu", "measured"))
+def test_the_notebook_cell_says_when_no_gpu_measured_and_draws_the_prediction(measured, tiny_prediction, capsys):
+    from lab_helpers import plots as library_plots
+    measurement = real_measurement_of(tiny_prediction) if measured else None
+    scope = {"prediction": tiny_prediction, "measurement": measurement,
+             "plot_bytes_by_kind": library_plots.plot_bytes_by_kind}
+    exec(where_the_bytes_go_cell(), scope)
+    out = capsys.readouterr().out
+    ax = scope["ax"]
+    if measured:
+        assert out == "" and len(ax.get_lines()) == 2
+    else:
+        assert out.startswith("No CUDA GPU, so no measurement: the bars are the prediction alone.")
+        assert ax.get_lines() == [] and len(ax.containers) == 6
