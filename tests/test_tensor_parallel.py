@@ -192,3 +192,286 @@ def test_a_rank_that_vanishes_ends_the_others_in_bounded_time(tmp_path):
     assert "exitcode  : 9 " in proc.stderr, proc.stderr
     assert not (tmp_path / "out.json").exists()
     assert seconds < 60
+
+
+# ---------------------------------------------------------------- prediction per rank
+def test_each_rank_holds_its_shard_and_the_whole_second_bias(mm):
+    config = mm.MeasureConfig(width=64, hidden=256, dtype="float32", tensor_parallel=2)
+    document = mm.predict(config)
+    assert "phases" not in document and [r["rank"] for r in document["ranks"]] == [0, 1]
+    for rank in document["ranks"]:
+        load = rank["phases"][0]
+        # 0.weight [128, 64], 0.bias [128], 2.weight [64, 128] in float32, 2.bias [64] rounded to 512 B
+        assert load["end_allocated_bytes"] == 32768 + 512 + 32768 + 512 == 66560
+        cold = rank["phases"][2]
+        # weights, input [1, 16, 64], workspace 32 MiB + 1 MiB, output [1, 16, 64]
+        assert cold["end_allocated_bytes"] == 66560 + 4096 + 33554432 + 1048576 + 4096
+        # the first Linear's output [16, 128] and GELU's live together at the peak
+        assert cold["peak_allocated_bytes"] == cold["end_allocated_bytes"] - 4096 + 8192 + 8192
+    assert document["ranks"][0]["phases"] == document["ranks"][1]["phases"]
+    shard = document["synthetic_model"]["tensor_parallel"]
+    assert shard["rank_parameter_shapes"] == {"0.weight": [128, 64], "0.bias": [128], "2.weight": [64, 128],
+                                              "2.bias": [64]}
+    assert shard["all_reduce_bytes"] == 16 * 64 * 4
+    assert shard["rank_forward_flops"] * 2 == document["synthetic_model"]["forward_flops"]
+    assert document["configuration"]["tensor_parallel"] == 2
+    assert document["outside_allocator"].startswith("not predicted")
+
+
+def test_tensor_parallel_1_predicts_what_one_gpu_predicts(mm):
+    one = mm.predict(mm.MeasureConfig(width=96, dtype="bfloat16", repeats=3))
+    ranked = mm.predict(mm.MeasureConfig(width=96, dtype="bfloat16", repeats=3, tensor_parallel=1))
+    assert ranked["ranks"] == [{"rank": 0, "phases": one["phases"]}]
+    assert "tensor_parallel" not in one["configuration"] and "tensor_parallel" not in one["synthetic_model"]
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_a_shard_over_2_mib_takes_its_own_large_segment(mm, degree):
+    # 0.weight is hidden x width floats: 4096 x 1024 x 4 B = 16 MiB whole, 16 / N MiB per rank
+    config = mm.MeasureConfig(width=1024, hidden=4096, tensor_parallel=degree)
+    load = mm.predict(config)["ranks"][degree - 1]["phases"][0]
+    weight = 4096 // degree * 1024 * 4
+    assert load["end_allocated_bytes"] == 2 * weight + 4096 // degree * 4 + 4096
+    segment = weight if weight >= 10 * 2**20 else 20 * 2**20
+    assert load["end_reserved_bytes"] >= segment
+
+
+BAD_DEGREES = [
+    (["--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the hidden size 256"),
+    (["--hidden", "100", "--tensor-parallel", "8"], "--tensor-parallel 8 does not divide the hidden size 100"),
+    (["--tensor-parallel", "0"], "argument --tensor-parallel: must be > 0, got 0"),
+    (["--tensor-parallel", "-1"], "argument --tensor-parallel: not an integer: '-1'"),
+    (["--tensor-parallel", "abc"], "argument --tensor-parallel: not an integer: 'abc'"),
+    (["--tensor-parallel", "65"], "argument --tensor-parallel: must be at most 64, got 65"),
+    (["--tensor-parallel", "2.0"], "argument --tensor-parallel: not an integer: '2.0'"),
+    (["--tensor-parallel", ""], "argument --tensor-parallel: not an integer: ''"),
+]
+
+
+def run_mm(*argv, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "lab_helpers.mesure_memoire", *argv], capture_output=True,
+                          text=True, cwd=cwd or ROOT, env=env, timeout=120)
+
+
+def one_line(proc, code=2):
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", BAD_DEGREES, ids=[" ".join(c[0]) for c in BAD_DEGREES])
+def test_predict_refuses_a_bad_degree_in_one_line(argv, message):
+    line = one_line(run_mm("predict", "--width", "64", *argv))
+    assert line.startswith(f"mesure_memoire: error: {message}"), line
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in (*GOOD_ENV, "MASTER_ADDR", "MASTER_PORT")}
+
+    def make(**variables):
+        return {**env, **variables}
+    return make
+
+
+def test_measure_refusals_are_one_line_and_leave_no_file(tmp_path, launcher_env):
+    out = tmp_path / "tp.json"
+    base = ["measure", "--width", "64", "--output", str(out)]
+    cases = [
+        (base + ["--tensor-parallel", "2"], launcher_env(),
+         f"--tensor-parallel 2 runs one process per GPU, started by torchrun; run: torchrun --nproc-per-node 2 "
+         f"-m lab_helpers.mesure_memoire measure --width 64 --output {out} --tensor-parallel 2"),
+        (base + ["--tensor-parallel", "3"], launcher_env(), "--tensor-parallel 3 does not divide the hidden size 256"),
+        (base + ["--tensor-parallel", "2", "--device", "cuda:1"], launcher_env(**GOOD_ENV),
+         "--device is not used with --tensor-parallel 2: each rank measures on cuda:LOCAL_RANK"),
+        (base + ["--tensor-parallel", "2"], launcher_env(**{**GOOD_ENV, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}),
+         "--tensor-parallel 2 disagrees with the launcher's world size 4 (WORLD_SIZE)"),
+        (base + ["--tensor-parallel", "2"], launcher_env(**{**GOOD_ENV, "RANK": "x"}),
+         "the launcher's RANK not an integer: 'x'"),
+        # a fake launcher on a machine whose torch sees no GPU: more ranks than GPUs
+        (base + ["--tensor-parallel", "2"], launcher_env(**GOOD_ENV),
+         "no CUDA device is visible to torch; --tensor-parallel 2 needs one GPU per rank"),
+        (base + ["--tensor-parallel", "2", "--timeline", str(tmp_path / "t.json")], launcher_env(**GOOD_ENV),
+         "--failure-report and the --timeline flags record one GPU; leave them out with --tensor-parallel"),
+        (base + ["--tensor-parallel", "2", "--failure-report", str(tmp_path / "f.json")], launcher_env(**GOOD_ENV),
+         "--failure-report and the --timeline flags record one GPU"),
+    ]
+    for argv, env, message in cases:
+        line = one_line(run_mm(*argv, env=env))
+        assert line.startswith(f"mesure_memoire: error: {message}"), (argv, line)
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_the_script_copy_names_itself_in_the_command(tmp_path, launcher_env):
+    import shutil
+    shutil.copy(ROOT / "lab_helpers" / "mesure_memoire.py", tmp_path / "mesure_memoire.py")
+    proc = subprocess.run([sys.executable, "mesure_memoire.py", "measure", "--tensor-parallel", "2", "--output",
+                           "a b.json"], capture_output=True, text=True, cwd=tmp_path, env=launcher_env(), timeout=60)
+    assert one_line(proc) == ("mesure_memoire: error: --tensor-parallel 2 runs one process per GPU, started by "
+                              "torchrun; run: torchrun --nproc-per-node 2 mesure_memoire.py measure "
+                              "--tensor-parallel 2 --output 'a b.json'")
+
+
+# ---------------------------------------------------------------- compare per rank
+def tp_measurement(mm, config, shift=None):
+    """A schema-valid tensor-parallel measurement whose counters are `config`'s prediction (a
+    fixture: no GPU made it); `shift` = (rank, record, bytes) added to that record's peak allocated."""
+    document = mm.predict(config)
+    for key in ("workspace", "reserved_assumptions", "outside_allocator"):
+        del document[key]
+    document["kind"] = "iteragpu-lab measurement"
+    document["configuration"]["device"] = "cuda:0"
+    document["environment"] = {
+        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 2,
+        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+    for rank in document["ranks"]:
+        rank.update(device=f"cuda:{rank['rank']}", device_name="NVIDIA H200",
+                    outside_allocator={"label": "outside", "before_bytes": 150000000000, "after_bytes": 149000000000,
+                                       "nccl_outside_allocator_bytes": 1000000000})
+        for phase in rank["phases"]:
+            del phase["end_allocated_bytes_by_kind"]
+            phase.update(seconds=0.002, device_seconds=0.001)
+    if shift:
+        rank, record, extra = shift
+        document["ranks"][rank]["phases"][record]["peak_allocated_bytes"] += extra
+    return document
+
+
+def test_compare_sets_every_rank_beside_its_prediction(mm):
+    config = mm.MeasureConfig(width=64, tensor_parallel=2, repeats=3)
+    document = tp_measurement(mm, config)
+    assert mm.measurement_problems(document) == []
+    result = mm.compare(document)
+    assert result["allocated_exact"] is True and result["tensor_parallel"] == 2
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert [r["device"] for r in result["ranks"]] == ["cuda:0", "cuda:1"]
+    assert all(len(r["rows"]) == 7 for r in result["ranks"])
+    assert result["ranks"][1]["workspace_detected_bytes"] == 33554432 + 1048576
+    shifted = mm.compare(tp_measurement(mm, config, shift=(1, 5, 512)))
+    assert shifted["allocated_exact"] is False
+    assert shifted["ranks"][0]["allocated_exact"] is True and shifted["ranks"][1]["allocated_exact"] is False
+    assert shifted["ranks"][1]["rows"][5]["difference_peak_allocated_bytes"] == 512
+
+
+def test_compare_cli_on_a_tensor_parallel_file(mm, tmp_path):
+    config = mm.MeasureConfig(width=64, tensor_parallel=2)
+    (tmp_path / "ok.json").write_text(json.dumps(tp_measurement(mm, config)))
+    (tmp_path / "off.json").write_text(json.dumps(tp_measurement(mm, config, shift=(0, 2, 1024))))
+    proc = run_mm("compare", str(tmp_path / "ok.json"), "--fail-on-difference", "--format", "table")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("tensor parallel 2: allocated exact on every rank: yes\n")
+    assert "rank 1 (cuda:1): NCCL outside the allocator 953.67 MiB (1000000000 B)" in proc.stdout
+    proc = run_mm("compare", str(tmp_path / "off.json"), "--fail-on-difference")
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["ranks"][0]["rows"][2]["difference_peak_allocated_bytes"] == 1024
+
+
+def bad_tp_files(mm):
+    config = mm.MeasureConfig(width=64, tensor_parallel=2)
+
+    def changed(change):
+        document = tp_measurement(mm, config)
+        change(document)
+        return document
+    return [
+        ("ranks-missing", changed(lambda d: d.pop("ranks")), "lacks the required key 'ranks'"),
+        ("top-level-phases-too", changed(lambda d: d.update(phases=d["ranks"][0]["phases"])),
+         "$.phases: is not allowed here"),
+        ("one-rank-for-two", changed(lambda d: d["ranks"].pop()), "$.ranks: 1 ranks, but tensor_parallel is 2"),
+        ("ranks-swapped", changed(lambda d: d["ranks"].reverse()),
+         "$.ranks[0].rank: 1, but ranks are listed in order from 0"),
+        ("rank-negative", changed(lambda d: d["ranks"][0].update(rank=-1)), "$.ranks[0].rank: must be at least 0"),
+        ("rank-device-cpu", changed(lambda d: d["ranks"][1].update(device="cpu")), "$.ranks[1].device: does not match"),
+        ("rank-phase-unknown", changed(lambda d: d["ranks"][1]["phases"][0].update(phase="prefill")),
+         "$.ranks[1].phases[0].phase: must be one of"),
+        ("rank-phase-missing", changed(lambda d: d["ranks"][1]["phases"].pop()),
+         "$.ranks[1].phases: 5 records, but measure writes 6"),
+        ("degree-zero", changed(lambda d: d["configuration"].update(tensor_parallel=0)),
+         "$.configuration.tensor_parallel: must be at least 1"),
+        ("degree-not-dividing", changed(lambda d: d["configuration"].update(tensor_parallel=3)),
+         "--tensor-parallel 3 does not divide the hidden size 256"),
+        ("one-gpu-file-with-ranks", changed(lambda d: (d["configuration"].pop("tensor_parallel"),
+                                                       d.update(phases=d["ranks"][0]["phases"]))),
+         "$.ranks: is not allowed here"),
+        ("negative-counter", changed(lambda d: d["ranks"][0]["phases"][1].update(end_reserved_bytes=-1)),
+         "$.ranks[0].phases[1].end_reserved_bytes: must be at least 0"),
+    ]
+
+
+def test_compare_refuses_bad_tensor_parallel_files_in_one_line(mm, tmp_path):
+    for name, document, message in bad_tp_files(mm):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(document))
+        line = one_line(run_mm("compare", str(path)))
+        assert message in line, (name, line)
+
+
+def test_schema_file_and_jsonschema_agree_on_tensor_parallel_files(mm):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text(encoding="utf-8"))
+    assert schema == json.loads(json.dumps(mm.MEASUREMENT_SCHEMA))
+    validator = jsonschema.Draft202012Validator(schema)
+    good = tp_measurement(mm, mm.MeasureConfig(width=64, tensor_parallel=2))
+    assert validator.is_valid(good) and mm.measurement_problems(good) == []
+    for name, document, _ in bad_tp_files(mm):
+        if name in ("one-rank-for-two", "ranks-swapped", "rank-phase-missing", "degree-not-dividing"):
+            continue  # rules compare checks beyond the schema
+        assert not validator.is_valid(document), name
+        assert mm.measurement_problems(document) != [], name
+
+
+# ---------------------------------------------------------------- environment lists every GPU
+def test_environment_lists_every_visible_gpu(mm, monkeypatch):
+    torch = pytest.importorskip("torch")
+
+    class Props:
+        major, minor, total_memory = 9, 0, 150 * 2**30
+
+        def __init__(self, index):
+            self.name = f"Fake GPU {index}"
+
+    def properties(index):
+        if index == 2:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered at /opt/driver/x.c")
+        return Props(index)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (100 * 2**30 + i, 150 * 2**30))
+
+    def probe(index):
+        if index == 1:
+            return {"usable_memory_bytes": "unavailable", "usable_memory_unavailable_reason": "no answer within 180 s"}
+        return {"usable_memory_bytes": 99 * 2**30 + index, "usable_memory_unavailable_reason": None}
+    got = mm.environment("cuda:0", usable_memory_probe=probe)
+    assert got["device_name"] == "Fake GPU 0" and got["usable_memory_bytes"] == 99 * 2**30
+    assert got["devices"] == [
+        {"index": 0, "name": "Fake GPU 0", "total_memory_bytes": 150 * 2**30, "free_memory_bytes": 100 * 2**30,
+         "usable_memory_bytes": 99 * 2**30, "usable_memory_unavailable_reason": None},
+        {"index": 1, "name": "Fake GPU 1", "total_memory_bytes": 150 * 2**30, "free_memory_bytes": 100 * 2**30 + 1,
+         "usable_memory_bytes": "unavailable", "usable_memory_unavailable_reason": "no answer within 180 s"},
+        {"index": 2, "unavailable_reason": "RuntimeError: CUDA error: uncorrectable ECC error encountered at <path>",
+         "usable_memory_bytes": 99 * 2**30 + 2, "usable_memory_unavailable_reason": None},
+    ]
+    table = mm.environment_table(got).splitlines()
+    assert table[-4:-3] == ["visible GPUs:"] or "visible GPUs:" in table
+    rows = table[table.index("visible GPUs:") + 2:]
+    assert [row.split()[0] for row in rows] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert "unavailable: no answer within 180 s" in rows[1]
+    assert "unavailable: RuntimeError: CUDA error" in rows[2]
+    skipped = mm.environment("cuda:1", usable_memory_figure=False, usable_memory_probe=probe)
+    assert [d["usable_memory_bytes"] for d in skipped["devices"]] == [None, None, None]
+
+
+def test_environment_without_gpu_lists_none(mm):
+    got = mm.environment("cuda:0", usable_memory_figure=False)
+    if got["device_count"]:
+        pytest.skip("a GPU is visible: the gpu tests check the list")
+    assert got["devices"] == []
+    assert mm.environment_table(got).endswith("visible GPUs: none")
