@@ -1412,9 +1412,7 @@ class TensorParallelRun:
                     "before_bytes": free_before, "after_bytes": free_after,
                     "nccl_outside_allocator_bytes": (free_before - free_after) - (reserved_after - reserved_before),
                 }
-        except LabError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # every rank must hear of it, or the others wait in a collective
             self.fail(exc, phase="process group setup")
         return self
 
