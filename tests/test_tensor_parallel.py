@@ -475,3 +475,13 @@ def test_environment_without_gpu_lists_none(mm):
         pytest.skip("a GPU is visible: the gpu tests check the list")
     assert got["devices"] == []
     assert mm.environment_table(got).endswith("visible GPUs: none")
+
+
+def test_runs_refuses_a_tensor_parallel_file_in_one_line(mm, tmp_path):
+    (tmp_path / "tp.json").write_text(json.dumps(tp_measurement(mm, mm.MeasureConfig(width=64, tensor_parallel=2))))
+    import os
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.runs", "tp.json"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert one_line(proc) == ("runs: error: tp.json: a tensor-parallel measurement (phases per rank); runs compares "
+                              "one-GPU files; set its ranks beside their prediction with: python -m "
+                              "lab_helpers.mesure_memoire compare FILE")
