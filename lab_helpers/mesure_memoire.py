@@ -1235,6 +1235,8 @@ MONITOR_INTERVAL_SECONDS = 0.1
 FAILURE_ACK_SECONDS = 20  # a failing rank waits this long for every rank to print the line
 ABORT_WAIT_SECONDS = 10  # aborting a communicator can itself block on a broken peer
 STORE_LOST_SECONDS = 30  # the monitor gives up on a store it cannot reach for this long
+ACK_POLL_SECONDS = 0.005
+EXIT_TERMINATED = 128 + 15  # what a shell reports for a process SIGTERM ended
 
 
 def launcher_environment() -> dict:
@@ -1379,6 +1381,7 @@ class TensorParallelRun:
         self._store_lock = threading.Lock()
         self._stopped = threading.Event()
         self._ending = threading.Lock()
+        self._catch_termination()
         self._monitor = threading.Thread(target=self._watch, name="iteragpu-lab failure monitor", daemon=True)
         self._monitor.start()
         cuda = self.device.type == "cuda"
@@ -1424,7 +1427,50 @@ class TensorParallelRun:
         self._monitor.join(timeout=MONITOR_INTERVAL_SECONDS * 20)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._release_termination()
         return False
+
+    # ---- termination by the launcher
+    # torchrun sends SIGTERM to every rank still running once one has ended. A rank reporting a
+    # failure must still end with the failure's code, so SIGTERM reaches the monitor thread (through
+    # Python's wakeup fd) instead of ending the process at once; the monitor ends it.
+    def _catch_termination(self):
+        import signal
+        import socket
+        import threading
+        self._termination = None
+        self._sigterm = False
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread; torchrun's SIGTERM then ends the rank
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        self._termination = (reader, writer, previous_fd, previous_handler)
+
+    def _release_termination(self):
+        import signal
+        if self._termination is None:
+            return
+        reader, writer, previous_fd, previous_handler = self._termination
+        signal.signal(signal.SIGTERM, previous_handler)
+        signal.set_wakeup_fd(previous_fd)
+        reader.close()
+        writer.close()
+        self._termination = None
+
+    def _terminated(self) -> bool:
+        """True once torchrun's SIGTERM has arrived (read by either thread, remembered for both)."""
+        import signal
+        if self._sigterm or self._termination is None:
+            return self._sigterm
+        try:
+            received = self._termination[0].recv(256)
+        except (BlockingIOError, OSError):
+            return False
+        self._sigterm = signal.SIGTERM in received
+        return self._sigterm
 
     def gather(self, obj):
         """Every rank's picklable `obj`, in rank order, on rank 0 (None on the others), over gloo."""
@@ -1477,10 +1523,12 @@ class TensorParallelRun:
         except Exception:
             pass
         print(self.failure_line(failure), file=sys.stderr, flush=True)
+        # the main thread may be blocked in a collective whose peer will never come: abort the
+        # communicator (bounded: an abort can itself wait on a broken peer)
         aborting = threading.Thread(target=self._abort, daemon=True)
         aborting.start()
         aborting.join(ABORT_WAIT_SECONDS)
-        try:  # every rank prints before any exits: torchrun stops the others when the first one ends
+        try:  # every rank has printed before any exits, and they exit together
             with self._store_lock:
                 self._store.add(self._key("failure-ack"), 1)
             deadline = time.monotonic() + FAILURE_ACK_SECONDS
@@ -1488,7 +1536,11 @@ class TensorParallelRun:
                 with self._store_lock:
                     if self._store.add(self._key("failure-ack"), 0) >= self.world_size:
                         break
-                time.sleep(MONITOR_INTERVAL_SECONDS)
+                # torchrun stops the survivors once a rank has ended: every rank that acknowledges
+                # ends after all have, so this one is the last or a rank vanished without a word
+                if self._terminated():
+                    break
+                time.sleep(ACK_POLL_SECONDS)
         except Exception:
             pass
         os._exit(failure.get("exit_code", EXIT_PHASE))
@@ -1519,6 +1571,11 @@ class TensorParallelRun:
                 stored = None
             if stored:
                 self._end(json.loads(stored))
+            if self._terminated() and not self._ending.locked():
+                # stopped by torchrun with no failure published: a rank vanished
+                print(f"{self.prog}: error: rank {self.rank} stopped by torchrun (another rank ended without "
+                      "reporting); no file written", file=sys.stderr, flush=True)
+                os._exit(EXIT_TERMINATED)
             self._stopped.wait(MONITOR_INTERVAL_SECONDS)
 
 

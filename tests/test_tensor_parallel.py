@@ -129,9 +129,11 @@ with mm.TensorParallelRun(info, "cpu", prog="worker", timeout_seconds=60) as run
         run.fail(mm.PhaseError("warm_forward", RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")))
     if scenario == "usage-failure" and run.rank == 0:
         raise mm.LabError("out.json already exists; choose a new file name")
-    if scenario == "vanish" and run.rank == 1:
+    if scenario in ("vanish", "vanish-while-busy") and run.rank == 1:
         time.sleep(1.0)
         os._exit(9)
+    if scenario == "vanish-while-busy":
+        time.sleep(50)  # rank 0 is busy (as in a kernel waiting for its peer), in no collective
     if scenario != "ok":
         dist.all_reduce(values, group=run.group)
     records = run.gather({"rank": run.rank, "sum": values.tolist()})
@@ -190,6 +192,21 @@ def test_a_rank_that_vanishes_ends_the_others_in_bounded_time(tmp_path):
     proc, seconds = torchrun(tmp_path, "vanish")
     assert proc.returncode != 0
     assert "exitcode  : 9 " in proc.stderr, proc.stderr
+    # rank 0, blocked in a collective, ends with one line: gloo sees the closed connection, or
+    # torchrun stops it first
+    lines = worker_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("worker: error: rank 0 "), proc.stderr
+    assert lines[0].endswith("; no file written")
+    assert seconds < 15, proc.stderr  # no wait for an acknowledgement that cannot come
+
+
+def test_a_rank_busy_when_another_vanishes_is_stopped_by_torchrun_in_one_line(tmp_path):
+    proc, seconds = torchrun(tmp_path, "vanish-while-busy")
+    assert worker_lines(proc) == ["worker: error: rank 0 stopped by torchrun (another rank ended without "
+                                  "reporting); no file written"], proc.stderr
+    assert "exitcode  : 9 " in proc.stderr and "exitcode  : 143 " in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.json").exists()
+    assert seconds < 30
     assert not (tmp_path / "out.json").exists()
     assert seconds < 60
 
