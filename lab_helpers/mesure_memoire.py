@@ -1321,8 +1321,10 @@ class TensorParallelRun:
     On enter: reads the device's free memory and the allocator's reserved bytes, starts the NCCL
     process group (``init_process_group("nccl", device_id=device)``) and a gloo group that carries
     the lab's own messages (never NCCL, so the caching allocator sees none of them), makes the NCCL
-    communicators exist with one all-reduce of a tiny tensor, releases it and empties the cache, so
-    every phase starts from an empty allocator, then reads free memory again. ``outside_allocator``
+    communicators connect with one all-reduce of a tiny tensor (then an all-gather, which makes the
+    process group let go of it), releases them and empties the cache, checks that the allocator is
+    back where it was (every phase starts from an empty allocator; a failure otherwise), then reads
+    free memory again. ``outside_allocator``
     = {before_bytes, after_bytes, nccl_outside_allocator_bytes}: the drop in free memory less the
     growth of reserved, what NCCL holds outside PyTorch's allocator (None on a CPU device).
 
@@ -1391,17 +1393,26 @@ class TensorParallelRun:
                 torch.cuda.synchronize(self.device)
                 free_before = int(torch.cuda.mem_get_info(self.device)[0])
                 reserved_before = torch.cuda.memory_reserved(self.device)
+                allocated_before = torch.cuda.memory_allocated(self.device)
             timeout = datetime.timedelta(seconds=self.timeout_seconds)
             dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), group_store),
                                     rank=self.rank, world_size=self.world_size, timeout=timeout,
                                     device_id=self.device if cuda else None)
             self.group = dist.group.WORLD
             self._gloo = self.group if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-            # communicators are made lazily: one collective makes them exist before any phase
+            # NCCL connects at the first collective, not at init: one all-reduce of a tiny tensor
+            # makes its buffers exist before any phase (measured: about 0.5 GB more per rank there)
             tiny = torch.ones(1, device=self.device)
             dist.all_reduce(tiny, group=self.group)
             if cuda:
                 torch.cuda.synchronize(self.device)
+                # measured (torch 2.11, NCCL 2.28): the process group still holds the first
+                # collective's tensor after the call returns, so its 512 bytes and 2 MiB segment would
+                # stay in every phase; a second collective releases it
+                gathered = torch.empty(self.world_size, device=self.device)
+                dist.all_gather_into_tensor(gathered, tiny, group=self.group)
+                torch.cuda.synchronize(self.device)
+                del gathered
             del tiny
             dist.barrier(group=self._gloo)
             if cuda:
@@ -1409,6 +1420,13 @@ class TensorParallelRun:
                 torch.cuda.synchronize(self.device)
                 free_after = int(torch.cuda.mem_get_info(self.device)[0])
                 reserved_after = torch.cuda.memory_reserved(self.device)
+                allocated_after = torch.cuda.memory_allocated(self.device)
+                if allocated_after != allocated_before or reserved_after != reserved_before:
+                    raise RuntimeError(
+                        f"the allocator is not back where it was after the process group's set-up: "
+                        f"{allocated_after - allocated_before} bytes allocated and "
+                        f"{reserved_after - reserved_before} reserved remain, so the phases would not start "
+                        "from an empty allocator")
                 self.outside_allocator = {
                     "label": "outside PyTorch's caching allocator: device free memory before and after the "
                              "process group and its communicators exist, less the allocator's reserved growth",
