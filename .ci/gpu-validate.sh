@@ -3,7 +3,8 @@
 # ipykernel, nbformat, nbclient, jsonschema): the gpu-marked tests, every notebook under nbval,
 # the kit's small measure, the benchmark, then executed copies with their plots as PNG.
 # With two or more GPUs visible it runs two halves at once, one GPU each (CUDA_VISIBLE_DEVICES), so
-# that no test shares a GPU with another: the real-model half on GPU 0, the rest on GPU 1.
+# that no test shares a GPU with another: the real-model half on GPU 0, the rest on GPU 1. The
+# tensor-parallel tests then run alone, under torchrun on both GPUs (they skip with fewer than two).
 # Usage: bash .ci/gpu-validate.sh OUTPUT_DIR   (logs and results land there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ real_models() {  # the transformers acceptance and the real-model notebook
 
 the_rest() {  # every other gpu test, the other notebooks, the kit, the benchmark, executed copies
   local failed=0
-  "${pytest[@]}" -m gpu tests --ignore=tests/test_gpu_real_model.py > "$out/pytest-gpu.log" 2>&1 || failed=1
+  "${pytest[@]}" -m gpu tests --ignore=tests/test_gpu_real_model.py --ignore=tests/test_gpu_tensor_parallel.py \
+      > "$out/pytest-gpu.log" 2>&1 || failed=1
   "${pytest[@]}" --nbval-lax $(ls notebooks/*.ipynb | grep -v real-model) \
       > "$out/nbval.log" 2>&1 || failed=1
   {
@@ -81,6 +83,9 @@ else
   real_models || failed+=(real-models)
   the_rest || failed+=(the-rest)
 fi
+# every visible GPU: torchrun starts one rank per GPU
+"${pytest[@]}" -m gpu tests/test_gpu_tensor_parallel.py > "$out/pytest-gpu-tensor-parallel.log" 2>&1 ||
+  failed+=(tensor-parallel)
 for log in "$out"/pytest-*.log "$out"/nbval*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
 tail -n 12 "$out/extras.log"
 echo "failed steps: ${failed[*]:-none}"

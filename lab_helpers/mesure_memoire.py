@@ -397,6 +397,7 @@ MAX_NEW_TOKENS = 2**20
 MAX_COUNTER_BYTES = 2**60  # far above any device; keeps byte arithmetic within int64
 MAX_PHASE_RECORDS = 2**20 + 16
 _COUNT = {"type": "integer", "minimum": 1}
+_MAX_RANKS = 64  # MAX_TENSOR_PARALLEL: ranks of one tensor-parallel run
 _BYTES = {"$ref": "#/$defs/bytes"}
 # The JSON Schema of a measurement file, written out as measurement.schema.json; read_measurement
 # applies it with the standard library alone (this file ships without jsonschema).
@@ -405,7 +406,7 @@ MEASUREMENT_SCHEMA = {
     "$id": "iteragpu-lab/measurement.schema.json",
     "title": "IteraGPU Lab measurement (synthetic network or transformers model)",
     "type": "object",
-    "required": ["schema_version", "kind", "environment", "configuration", "phases"],
+    "required": ["schema_version", "kind", "environment", "configuration"],
     "additionalProperties": False,
     "properties": {
         "schema_version": {"const": SCHEMA_VERSION},
@@ -416,7 +417,15 @@ MEASUREMENT_SCHEMA = {
         "model": {"type": "object"},
         "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
                    "items": {"$ref": "#/$defs/phase"}},
+        # a tensor-parallel file: every rank's phases instead of top-level phases
+        "ranks": {"type": "array", "minItems": 1, "maxItems": _MAX_RANKS, "items": {"$ref": "#/$defs/rank"}},
     },
+    "allOf": [
+        {"if": {"required": ["configuration"],
+                "properties": {"configuration": {"type": "object", "required": ["tensor_parallel"]}}},
+         "then": {"required": ["ranks"]}, "else": {"properties": {"ranks": False}}},
+        {"if": {"required": ["ranks"]}, "then": {"properties": {"phases": False}}, "else": {"required": ["phases"]}},
+    ],
     "if": {"required": ["configuration"],
            "properties": {"configuration": {"type": "object", "required": ["kind"],
                                             "properties": {"kind": {"const": "transformers"}}}}},
@@ -424,6 +433,8 @@ MEASUREMENT_SCHEMA = {
         "configuration": {"$ref": "#/$defs/transformers_configuration"},
         "synthetic_model": False,
         "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}},
+        "ranks": {"items": {"properties": {"phases": {"items": {"properties": {
+            "phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}}}}},
     }},
     "else": {"required": ["synthetic_model"], "properties": {
         "configuration": {"$ref": "#/$defs/synthetic_configuration"},
@@ -431,6 +442,8 @@ MEASUREMENT_SCHEMA = {
         "model": False,
         "phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
                    "items": {"properties": {"phase": {"enum": list(PHASES)}}}},
+        "ranks": {"items": {"properties": {"phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
+                                                      "items": {"properties": {"phase": {"enum": list(PHASES)}}}}}}},
     }},
     "$defs": {
         "bytes": {"type": "integer", "minimum": 0, "maximum": MAX_COUNTER_BYTES},
@@ -472,6 +485,23 @@ MEASUREMENT_SCHEMA = {
                 "warmup": {"type": "integer", "minimum": 0, "maximum": MAX_PASSES},
                 "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
                 "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+                "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": _MAX_RANKS},
+            },
+        },
+        "rank": {
+            "type": "object",
+            "required": ["rank", "device", "phases"],
+            "properties": {
+                "rank": {"type": "integer", "minimum": 0, "maximum": _MAX_RANKS - 1},
+                "device": {"$ref": "#/$defs/device"},
+                "device_name": {"type": "string"},
+                # what NCCL holds outside PyTorch's allocator on this rank's device
+                "outside_allocator": {"type": ["object", "null"], "properties": {
+                    "before_bytes": _BYTES, "after_bytes": _BYTES,
+                    "nccl_outside_allocator_bytes": {"type": "integer", "minimum": -MAX_COUNTER_BYTES,
+                                                     "maximum": MAX_COUNTER_BYTES}}},
+                "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
+                           "items": {"$ref": "#/$defs/phase"}},
             },
         },
         "transformers_configuration": {
@@ -562,6 +592,8 @@ def _schema_errors(value, schema, where: str, root: dict):
         branch = "then" if next(_schema_errors(value, schema["if"], where, root), None) is None else "else"
         if branch in schema:
             yield from _schema_errors(value, schema[branch], where, root)
+    for part in schema.get("allOf", ()):
+        yield from _schema_errors(value, part, where, root)
     if "$ref" in schema:
         target = root
         for part in schema["$ref"].lstrip("#/").split("/"):
@@ -846,15 +878,27 @@ def parse_device(device: str) -> int:
 
 
 def environment(device: str = "cuda:0", usable_memory_figure: bool = True, usable_memory_probe=None) -> dict:
-    """Report Python, torch, its CUDA/HIP build and the chosen device; never raises for a missing GPU.
-    With `usable_memory_figure`, usable_memory_bytes is measured in a child process (see usable_memory);
-    `usable_memory_probe` replaces that function (for tests)."""
-    return _environment(device, parse_device(device), usable_memory_figure, usable_memory_probe)
+    """Report Python, torch, its CUDA/HIP build and the chosen device, and in ``devices`` every
+    visible GPU (index, name, total, free and usable memory, or why it is unavailable); never raises
+    for a missing GPU. With `usable_memory_figure`, usable_memory_bytes is measured in a child
+    process per GPU (see usable_memory); `usable_memory_probe` replaces that function (for tests)."""
+    return _environment(device, parse_device(device), usable_memory_figure, usable_memory_probe, all_devices=True)
 
 
-def _environment(device: str, index: int, usable_memory_figure: bool, usable_memory_probe) -> dict:
+def _environment(device: str, index: int, usable_memory_figure: bool, usable_memory_probe,
+                 all_devices: bool = False) -> dict:
+    """The environment report; `all_devices` adds the ``devices`` list (left out of measurement
+    files: reading another GPU's free memory would put a CUDA context on it)."""
     probe = usable_memory if usable_memory_probe is None else usable_memory_probe
     report = EnvironmentReport(python_version=platform.python_version(), device=device)
+    devices = []
+
+    def result():
+        document = asdict(report)
+        if all_devices:
+            document["devices"] = devices
+        return document
+
     if usable_memory_figure:
         report.usable_memory_bytes = UNAVAILABLE
     try:
@@ -862,7 +906,7 @@ def _environment(device: str, index: int, usable_memory_figure: bool, usable_mem
     except Exception as exc:  # an absent or broken torch is a valid report
         report.torch_unavailable_reason = _safe_reason(exc)
         report.usable_memory_unavailable_reason = "torch cannot be imported" if usable_memory_figure else None
-        return asdict(report)
+        return result()
     report.torch_version = str(torch.__version__)
     report.cuda_build_version = torch.version.cuda
     report.hip_build_version = getattr(torch.version, "hip", None)
@@ -875,30 +919,52 @@ def _environment(device: str, index: int, usable_memory_figure: bool, usable_mem
                 report.device_unavailable_reason = f"{report.device_count} device(s) visible"
     except Exception as exc:
         report.device_unavailable_reason = _safe_reason(exc)
+    listed = range(report.device_count) if all_devices else ([] if report.device_unavailable_reason else [index])
+    figures = {}
+    if usable_memory_figure:
+        # every child before this process reads free memory: that creates a CUDA context, which
+        # takes device memory
+        held = torch.cuda.is_initialized()
+        for i in listed:
+            figures[i] = dict(probe(i))
+            if held and isinstance(figures[i]["usable_memory_bytes"], int):
+                figures[i]["usable_memory_unavailable_reason"] = (
+                    "this process already held a CUDA context: a fresh process can reach more")
+    readings = {}
+    for i in listed:
+        try:
+            props = torch.cuda.get_device_properties(i)
+            readings[i] = {"name": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                           "total_memory_bytes": int(props.total_memory),
+                           "free_memory_bytes": int(torch.cuda.mem_get_info(i)[0])}
+        except Exception as exc:
+            readings[i] = {"unavailable_reason": _safe_reason(exc)}
+    for i in listed if all_devices else ():
+        entry = {"index": i, **readings[i]}
+        entry.pop("compute_capability", None)
+        if usable_memory_figure:
+            entry.update(figures[i])
+        else:
+            entry.update(usable_memory_bytes=None, usable_memory_unavailable_reason="not measured (--no-usable-memory)")
+        devices.append(entry)
     if report.device_unavailable_reason:
         if usable_memory_figure:
             report.usable_memory_unavailable_reason = "no device visible: " + report.device_unavailable_reason
-        return asdict(report)
+        return result()
     if usable_memory_figure:
-        # before this process reads free memory: that creates a CUDA context, which takes device memory
-        held = torch.cuda.is_initialized()
-        figure = probe(index)
-        report.usable_memory_bytes = figure["usable_memory_bytes"]
-        report.usable_memory_unavailable_reason = figure["usable_memory_unavailable_reason"]
-        if held and isinstance(report.usable_memory_bytes, int):
-            report.usable_memory_unavailable_reason = (
-                "this process already held a CUDA context: a fresh process can reach more")
-    try:
-        props = torch.cuda.get_device_properties(index)
-        report.device_visible = True
-        report.device_name = props.name
-        report.compute_capability = f"{props.major}.{props.minor}"
-        report.total_memory_bytes = int(props.total_memory)
-        report.free_memory_bytes = int(torch.cuda.mem_get_info(index)[0])
-    except Exception as exc:
+        report.usable_memory_bytes = figures[index]["usable_memory_bytes"]
+        report.usable_memory_unavailable_reason = figures[index]["usable_memory_unavailable_reason"]
+    reading = readings[index]
+    if "unavailable_reason" in reading:
         report.device_visible = False
-        report.device_unavailable_reason = _safe_reason(exc)
-    return asdict(report)
+        report.device_unavailable_reason = reading["unavailable_reason"]
+        return result()
+    report.device_visible = True
+    report.device_name = reading["name"]
+    report.compute_capability = reading["compute_capability"]
+    report.total_memory_bytes = reading["total_memory_bytes"]
+    report.free_memory_bytes = reading["free_memory_bytes"]
+    return result()
 
 
 # ----------------------------------------------------------------- measure
@@ -922,6 +988,7 @@ class MeasureConfig:
     warmup: int = 1
     repeats: int = 2
     seed: int = 0
+    tensor_parallel: int | None = None  # None: one GPU, the one-GPU file format; N: N ranks under torchrun
 
     def __post_init__(self):
         for name, (low, high) in _CONFIG_BOUNDS.items():
@@ -935,6 +1002,11 @@ class MeasureConfig:
             shown = repr(self.dtype[:40]) if isinstance(self.dtype, str) else type(self.dtype).__name__
             raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
         object.__setattr__(self, "_device_index", parse_device(self.device))
+        if self.tensor_parallel is not None:
+            parse_whole(self.tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+            if self.hidden_features % self.tensor_parallel:
+                raise LabError(f"--tensor-parallel {self.tensor_parallel} does not divide the hidden size "
+                               f"{self.hidden_features}: each rank holds hidden / N features of the first Linear")
         largest = max(self.batch * self.context * max(self.hidden_features, self.width),
                       self.hidden_features * self.width) * DTYPE_BYTES[self.dtype]
         if largest > MAX_TENSOR_BYTES:
@@ -955,26 +1027,57 @@ class MeasureConfig:
         """The same config with `hidden` filled in (validation already ran when it was built)."""
         return self if self.hidden is not None else replace(self, hidden=self.hidden_features)
 
+    @property
+    def shard_hidden(self) -> int:
+        """Hidden features each rank holds: hidden / tensor_parallel (hidden on one GPU)."""
+        return self.hidden_features // (self.tensor_parallel or 1)
+
     def record(self) -> dict:
-        """The configuration as a measurement file stores it (`hidden` filled in)."""
-        return {**asdict(self), "hidden": self.hidden_features}
+        """The configuration as a measurement file stores it (`hidden` filled in; `tensor_parallel`
+        only for a tensor-parallel run, so one-GPU files keep their format)."""
+        record = {**asdict(self), "hidden": self.hidden_features}
+        if self.tensor_parallel is None:
+            del record["tensor_parallel"]
+        return record
+
+
+def parameter_shapes(width: int, hidden: int) -> dict:
+    """The network's parameter shapes, in the order the model holds (and copies) them."""
+    return {"0.weight": [hidden, width], "0.bias": [hidden], "2.weight": [width, hidden], "2.bias": [width]}
 
 
 def synthetic_model(config: MeasureConfig) -> dict:
-    """Describe the network: parameter tensors, counts, bytes and forward FLOPs."""
+    """Describe the network: parameter tensors, counts, bytes and forward FLOPs. At tensor parallel
+    N, `tensor_parallel` adds what each rank holds: the first Linear split by output features, the
+    second by input features, its bias whole on every rank, and the all-reduce after it."""
     width, hidden = config.width, config.hidden_features
-    shapes = {"0.weight": [hidden, width], "0.bias": [hidden], "2.weight": [width, hidden], "2.bias": [width]}
+    shapes = parameter_shapes(width, hidden)
     counts = {name: math.prod(shape) for name, shape in shapes.items()}
     element_bytes = DTYPE_BYTES[config.dtype]
-    return {
+    # two matrix products of 2*N*width*hidden each; bias adds and GELU not counted
+    flops = 4 * config.batch * config.context * width * hidden
+    description = {
         "layers": ["Linear(width, hidden)", "GELU", "Linear(hidden, width)"],
         "width": width, "hidden": hidden,
         "parameter_shapes": shapes,
         "parameter_count": sum(counts.values()),
         "parameter_bytes": sum(counts.values()) * element_bytes,
-        # two matrix products of 2*N*width*hidden each; bias adds and GELU not counted
-        "forward_flops": 4 * config.batch * config.context * width * hidden,
+        "forward_flops": flops,
     }
+    if config.tensor_parallel is not None:
+        rank_shapes = parameter_shapes(width, config.shard_hidden)
+        rank_count = sum(math.prod(shape) for shape in rank_shapes.values())
+        description["tensor_parallel"] = {
+            "degree": config.tensor_parallel,
+            "split": "0.weight and 0.bias by output features, 2.weight by input features; 2.bias whole on "
+                     "every rank, added once after the all-reduce",
+            "rank_parameter_shapes": rank_shapes,
+            "rank_parameter_count": rank_count,
+            "rank_parameter_bytes": rank_count * element_bytes,
+            "rank_forward_flops": flops // config.tensor_parallel,
+            "all_reduce_bytes": config.batch * config.context * width * element_bytes,
+        }
+    return description
 
 
 def _import_torch():
@@ -1113,6 +1216,479 @@ def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> 
         "synthetic_model": model_info,
         "phases": phases,
     }
+
+
+# ----------------------------------------------------------------- tensor parallel
+# One measuring process per GPU, started by torchrun (torch.distributed's launcher); the lab adds
+# no launcher of its own. Names other measuring commands use: launch_info, LaunchInfo,
+# TensorParallelRun.
+MAX_TENSOR_PARALLEL = _MAX_RANKS
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Where torchrun's store lives; read to publish a failure to every rank.
+STORE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+                   "TORCHELASTIC_RESTART_COUNT")
+MAX_LAUNCHER_NUMBER = 2**31 - 1
+# Every wait between ranks is bounded. A rank that dies is seen by torchrun at once, which stops the
+# others; a rank that hangs holds the others at most this long in a collective or in gather.
+COORDINATION_TIMEOUT_SECONDS = 300
+MONITOR_INTERVAL_SECONDS = 0.1
+FAILURE_ACK_SECONDS = 20  # a failing rank waits this long for every rank to print the line
+ABORT_WAIT_SECONDS = 10  # aborting a communicator can itself block on a broken peer
+STORE_LOST_SECONDS = 30  # the monitor gives up on a store it cannot reach for this long
+ACK_POLL_SECONDS = 0.005
+EXIT_TERMINATED = 128 + 15  # what a shell reports for a process SIGTERM ended
+
+
+def launcher_environment() -> dict:
+    """torchrun's variables (LAUNCHER_VARIABLES and STORE_VARIABLES) that are set, by name: the only
+    environment variables the lab reads, and only for a tensor-parallel run."""
+    return {name: os.environ[name] for name in (*LAUNCHER_VARIABLES, *STORE_VARIABLES) if name in os.environ}
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """This process's place among the ranks, as torchrun set it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def device(self) -> str:
+        """The GPU of this rank: cuda:LOCAL_RANK (torchrun starts one process per GPU of a machine)."""
+        return f"cuda:{self.local_rank}"
+
+
+def launcher_command(tensor_parallel: int, command) -> str:
+    """The torchrun command line that runs `command` at `tensor_parallel` ranks on one machine.
+    `command` is what follows torchrun's own flags (`-m lab_helpers.mesure_memoire measure ...`), as
+    a string or as an argv list (quoted for a POSIX shell)."""
+    import shlex
+    tail = command if isinstance(command, str) else shlex.join(str(part) for part in command)
+    return f"torchrun --nproc-per-node {tensor_parallel} {tail}"
+
+
+def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
+    """Read this rank's place from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE) and check it against `tensor_parallel` and the GPUs torch sees. LabError (one
+    line) when no launcher started this process (the message holds the torchrun command built from
+    `command`, see launcher_command), when a variable is missing or not a whole number, when
+    WORLD_SIZE differs from `tensor_parallel`, when a rank is out of range, or when this machine runs
+    more ranks than it has visible GPUs. `environ` replaces launcher_environment() (for tests)."""
+    parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+    env = launcher_environment() if environ is None else environ
+    run_it = launcher_command(tensor_parallel, command)
+    present = [name for name in LAUNCHER_VARIABLES if name in env]
+    if not present:
+        raise LabError(f"--tensor-parallel {tensor_parallel} runs one process per GPU, started by torchrun; "
+                       f"run: {run_it}")
+    values = {}
+    for name in LAUNCHER_VARIABLES:
+        if name not in env:
+            raise LabError(f"the launcher's environment is incomplete: {name} is not set "
+                           f"(start the command with torchrun: {run_it})")
+        values[name] = parse_whole(env[name], f"the launcher's {name}", 0, MAX_LAUNCHER_NUMBER)
+    info = LaunchInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+    if info.world_size != tensor_parallel:
+        raise LabError(f"--tensor-parallel {tensor_parallel} disagrees with the launcher's world size "
+                       f"{info.world_size} (WORLD_SIZE): the degree is the number of ranks; run: {run_it}")
+    if info.rank >= info.world_size:
+        raise LabError(f"the launcher's RANK {info.rank} is not below its WORLD_SIZE {info.world_size}")
+    if not 1 <= info.local_world_size <= info.world_size:
+        raise LabError(f"the launcher's LOCAL_WORLD_SIZE {info.local_world_size} is not between 1 and "
+                       f"its WORLD_SIZE {info.world_size}")
+    if info.local_rank >= info.local_world_size:
+        raise LabError(f"the launcher's LOCAL_RANK {info.local_rank} is not below its LOCAL_WORLD_SIZE "
+                       f"{info.local_world_size}")
+    torch = _import_torch()
+    try:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:  # a broken driver reads as no device, with its reason
+        raise LabError(f"no CUDA device is usable by torch ({_safe_reason(exc)})") from None
+    if visible == 0:
+        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
+                       "per rank and never falls back to the CPU")
+    if info.local_world_size > visible:
+        raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
+                       "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")
+    return info
+
+
+class TensorParallelRun:
+    """The distributed side of one measuring process among N (a context manager).
+
+    On enter: reads the device's free memory and the allocator's reserved bytes, starts the NCCL
+    process group (``init_process_group("nccl", device_id=device)``) and a gloo group that carries
+    the lab's own messages (never NCCL, so the caching allocator sees none of them), makes the NCCL
+    communicators connect with one all-reduce of a tiny tensor (then an all-gather, which makes the
+    process group let go of it), releases them and empties the cache, checks that the allocator is
+    back where it was (every phase starts from an empty allocator; a failure otherwise), then reads
+    free memory again. ``outside_allocator``
+    = {before_bytes, after_bytes, nccl_outside_allocator_bytes}: the drop in free memory less the
+    growth of reserved, what NCCL holds outside PyTorch's allocator (None on a CPU device).
+
+    A rank that fails calls ``fail(error)``: the failure {rank, phase, message} goes to torchrun's
+    store; every rank's monitor thread sees it, aborts its communicator (a rank blocked in a
+    collective must not hang), prints one line ``PROG: error: rank R failed in phase P: ...; no file
+    written`` on stderr and ends with the same exit code. On exit the groups are destroyed.
+    `backend` and `timeout_seconds` exist for tests on the CPU (gloo)."""
+
+    def __init__(self, info: LaunchInfo, device, prog: str = "mesure_memoire", *, backend=None,
+                 timeout_seconds: float = COORDINATION_TIMEOUT_SECONDS, environ=None):
+        torch = _import_torch()
+        self.info = info
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = torch.device(device)
+        self.prog = prog
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.timeout_seconds = timeout_seconds
+        self.group = None
+        self.outside_allocator = None
+        self._environ = launcher_environment() if environ is None else environ
+        self._gloo = None
+        self._store = None
+        self._store_lock = None
+        self._stopped = None
+        self._monitor = None
+        self._ending = None
+
+    # ---- the store: failures and acknowledgements
+    def _connect(self, master: bool):
+        import datetime
+        import torch.distributed as dist
+        host = self._environ.get("MASTER_ADDR")
+        port = self._environ.get("MASTER_PORT")
+        if not host or port is None:
+            raise LabError("the launcher's environment lacks MASTER_ADDR or MASTER_PORT; start the command "
+                           "with torchrun")
+        port = parse_whole(port, "the launcher's MASTER_PORT", 1, 65535)
+        return dist.TCPStore(host, port, self.world_size if master else None, is_master=master,
+                             timeout=datetime.timedelta(seconds=self.timeout_seconds), wait_for_workers=False)
+
+    def _key(self, name: str) -> str:
+        run_id = self._environ.get("TORCHELASTIC_RUN_ID", "")
+        restart = self._environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return f"iteragpu-lab/{run_id}/{restart}/{name}"
+
+    def __enter__(self):
+        import datetime
+        import threading
+        import torch
+        import torch.distributed as dist
+        # torchrun's agent hosts the store; launched otherwise (env:// by hand), rank 0 hosts it
+        agent = self._environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self._store = self._connect(master=not agent and self.rank == 0)
+        group_store = self._connect(master=False)  # its own connection: the monitor thread uses the first
+        self._store_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._ending = threading.Lock()
+        self._catch_termination()
+        self._monitor = threading.Thread(target=self._watch, name="iteragpu-lab failure monitor", daemon=True)
+        self._monitor.start()
+        cuda = self.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.set_device(self.device)
+                torch.cuda.synchronize(self.device)
+                free_before = int(torch.cuda.mem_get_info(self.device)[0])
+                reserved_before = torch.cuda.memory_reserved(self.device)
+                allocated_before = torch.cuda.memory_allocated(self.device)
+            timeout = datetime.timedelta(seconds=self.timeout_seconds)
+            dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), group_store),
+                                    rank=self.rank, world_size=self.world_size, timeout=timeout,
+                                    device_id=self.device if cuda else None)
+            self.group = dist.group.WORLD
+            self._gloo = self.group if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+            # NCCL connects at the first collective, not at init: one all-reduce of a tiny tensor
+            # makes its buffers exist before any phase (measured: about 0.5 GB more per rank there)
+            tiny = torch.ones(1, device=self.device)
+            dist.all_reduce(tiny, group=self.group)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                # measured (torch 2.11, NCCL 2.28): the process group still holds the first
+                # collective's tensor after the call returns, so its 512 bytes and 2 MiB segment would
+                # stay in every phase; a second collective releases it
+                gathered = torch.empty(self.world_size, device=self.device)
+                dist.all_gather_into_tensor(gathered, tiny, group=self.group)
+                torch.cuda.synchronize(self.device)
+                del gathered
+            del tiny
+            dist.barrier(group=self._gloo)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize(self.device)
+                free_after = int(torch.cuda.mem_get_info(self.device)[0])
+                reserved_after = torch.cuda.memory_reserved(self.device)
+                allocated_after = torch.cuda.memory_allocated(self.device)
+                if allocated_after != allocated_before or reserved_after != reserved_before:
+                    raise RuntimeError(
+                        f"the allocator is not back where it was after the process group's set-up: "
+                        f"{allocated_after - allocated_before} bytes allocated and "
+                        f"{reserved_after - reserved_before} reserved remain, so the phases would not start "
+                        "from an empty allocator")
+                self.outside_allocator = {
+                    "label": "outside PyTorch's caching allocator: device free memory before and after the "
+                             "process group and its communicators exist, less the allocator's reserved growth",
+                    "before_bytes": free_before, "after_bytes": free_after,
+                    "nccl_outside_allocator_bytes": (free_before - free_after) - (reserved_after - reserved_before),
+                }
+        except Exception as exc:  # every rank must hear of it, or the others wait in a collective
+            self.fail(exc, phase="process group setup")
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        import torch.distributed as dist
+        if exc is not None and isinstance(exc, Exception):
+            self.fail(exc)  # does not return: every rank ends with the same line and code
+        self._stopped.set()
+        self._monitor.join(timeout=MONITOR_INTERVAL_SECONDS * 20)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._release_termination()
+        return False
+
+    # ---- termination by the launcher
+    # torchrun sends SIGTERM to every rank still running once one has ended. A rank reporting a
+    # failure must still end with the failure's code, so SIGTERM reaches the monitor thread (through
+    # Python's wakeup fd) instead of ending the process at once; the monitor ends it.
+    def _catch_termination(self):
+        import signal
+        import socket
+        import threading
+        self._termination = None
+        self._sigterm = False
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread; torchrun's SIGTERM then ends the rank
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        self._termination = (reader, writer, previous_fd, previous_handler)
+
+    def _release_termination(self):
+        import signal
+        if self._termination is None:
+            return
+        reader, writer, previous_fd, previous_handler = self._termination
+        signal.signal(signal.SIGTERM, previous_handler)
+        signal.set_wakeup_fd(previous_fd)
+        reader.close()
+        writer.close()
+        self._termination = None
+
+    def _terminated(self) -> bool:
+        """True once torchrun's SIGTERM has arrived (read by either thread, remembered for both)."""
+        import signal
+        if self._sigterm or self._termination is None:
+            return self._sigterm
+        try:
+            received = self._termination[0].recv(256)
+        except (BlockingIOError, OSError):
+            return False
+        self._sigterm = signal.SIGTERM in received
+        return self._sigterm
+
+    def gather(self, obj):
+        """Every rank's picklable `obj`, in rank order, on rank 0 (None on the others), over gloo."""
+        import torch.distributed as dist
+        received = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, received, dst=0, group=self._gloo)
+        return received
+
+    def broadcast(self, obj):
+        """Rank 0's picklable `obj` on every rank, over gloo (`obj` is ignored on the others)."""
+        import torch.distributed as dist
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._gloo)
+        return box[0]
+
+    # ---- failure
+    def fail(self, error, phase=None, rank=None):
+        """Publish this rank's failure to every rank, print the one line and end the process with
+        the failure's exit code (EXIT_USAGE for a LabError, EXIT_PHASE otherwise). Never returns.
+        When another rank failed first, its failure is the one every rank reports. `rank` names
+        the rank the failure happened on when every rank reports one rank's failure (default: this)."""
+        phase = phase if phase is not None else getattr(error, "phase", None)
+        if isinstance(error, PhaseError):
+            message = error.message
+        elif isinstance(error, LabError):
+            message = str(error)
+        else:
+            message = _safe_reason(error)
+        failure = {"rank": self.rank if rank is None else rank, "phase": phase, "message": message,
+                   "exit_code": EXIT_USAGE if isinstance(error, LabError) else EXIT_PHASE}
+        try:
+            with self._store_lock:
+                # the first failure published wins: every rank then prints the same line
+                stored = self._store.compare_set(self._key("failure"), "", json.dumps(failure))
+            failure = json.loads(stored)
+        except Exception:  # the store is gone: report this rank's own failure
+            pass
+        self._end(failure)
+
+    def failure_line(self, failure: dict) -> str:
+        """The one line every rank prints for a published failure."""
+        where = f"in phase {failure['phase']}" if failure.get("phase") else "outside the measured phases"
+        return f"{self.prog}: error: rank {failure['rank']} failed {where}: {failure['message']}; no file written"
+
+    def _end(self, failure: dict):
+        import threading
+        self._ending.acquire()  # once per process: a second caller waits for the exit below
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        print(self.failure_line(failure), file=sys.stderr, flush=True)
+        # the main thread may be blocked in a collective whose peer will never come: abort the
+        # communicator (bounded: an abort can itself wait on a broken peer)
+        aborting = threading.Thread(target=self._abort, daemon=True)
+        aborting.start()
+        aborting.join(ABORT_WAIT_SECONDS)
+        try:  # every rank has printed before any exits, and they exit together
+            with self._store_lock:
+                self._store.add(self._key("failure-ack"), 1)
+            deadline = time.monotonic() + FAILURE_ACK_SECONDS
+            while time.monotonic() < deadline:
+                with self._store_lock:
+                    if self._store.add(self._key("failure-ack"), 0) >= self.world_size:
+                        break
+                # torchrun stops the survivors once a rank has ended: every rank that acknowledges
+                # ends after all have, so this one is the last or a rank vanished without a word
+                if self._terminated():
+                    break
+                time.sleep(ACK_POLL_SECONDS)
+        except Exception:
+            pass
+        os._exit(failure.get("exit_code", EXIT_PHASE))
+
+    def _abort(self):
+        try:
+            if self.group is not None and hasattr(self.group, "abort"):
+                self.group.abort()
+        except Exception:  # gloo or an older torch cannot abort: the exit below ends the process
+            pass
+
+    def _watch(self):
+        key = self._key("failure")
+        lost_since = None
+        while not self._stopped.is_set():
+            try:
+                with self._store_lock:
+                    found = self._store.check([key])
+                    stored = self._store.get(key) if found else None
+                lost_since = None
+            except Exception:
+                if self._stopped.is_set():
+                    return
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > STORE_LOST_SECONDS:
+                    self._end({"rank": self.rank, "phase": None, "exit_code": EXIT_PHASE,
+                               "message": "lost contact with the launcher's store"})
+                stored = None
+            if stored:
+                self._end(json.loads(stored))
+            if self._terminated() and not self._ending.locked():
+                # stopped by torchrun with no failure published: a rank vanished
+                print(f"{self.prog}: error: rank {self.rank} stopped by torchrun (another rank ended without "
+                      "reporting); no file written", file=sys.stderr, flush=True)
+                os._exit(EXIT_TERMINATED)
+            self._stopped.wait(MONITOR_INTERVAL_SECONDS)
+
+
+def measure_tensor_parallel(config: MeasureConfig, info: LaunchInfo, write=None, prog: str = "mesure_memoire"):
+    """Measure this rank's phases of the synthetic network split over `config.tensor_parallel` ranks
+    (one process per GPU, started by torchrun) and return the measurement document on rank 0, None
+    on the others, once every rank has finished. Rank r holds 0.weight and 0.bias rows
+    [r * hidden / N, (r + 1) * hidden / N), the same columns of 2.weight, and 2.bias whole; the
+    forward is addmm, GELU, mm, an in-place all-reduce, then the bias added in place, so TP=N
+    computes the same function as one GPU. A failure on any rank ends every rank (TensorParallelRun).
+    `write(document)` runs on rank 0 while every rank waits: a LabError it raises ends every rank
+    with exit 2 and the same line."""
+    torch = _import_torch()
+    device = _check_device(torch, config)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    dtype = getattr(torch, config.dtype)
+    shard = config.shard_hidden
+    first, last = info.rank * shard, (info.rank + 1) * shard
+    # before the run: this creates the CUDA context, which the NCCL figure must not count
+    env = _environment(config.device, config.device_index, usable_memory_figure=False, usable_memory_probe=None)
+    model_info = synthetic_model(config)
+    rank_flops = model_info["tensor_parallel"]["rank_forward_flops"]
+    state = {}
+    with TensorParallelRun(info, device, prog) as run:
+        import torch.distributed as dist
+        from torch.nn import functional
+
+        def load_model():
+            with torch.random.fork_rng(devices=[]):  # the full network from the seed, as on one GPU
+                torch.manual_seed(config.seed)
+                model = torch.nn.Sequential(torch.nn.Linear(config.width, config.hidden_features),
+                                            torch.nn.GELU(), torch.nn.Linear(config.hidden_features, config.width))
+            model = model.to(dtype=dtype)
+            with torch.no_grad():
+                shards = (model[0].weight[first:last], model[0].bias[first:last], model[2].weight[:, first:last],
+                          model[2].bias)
+                # sliced and made contiguous on the CPU: the device only receives this rank's tensors
+                state["parameters"] = [t.detach().contiguous().to(device) for t in shards]
+
+        def make_inputs():
+            generator = torch.Generator(device=device).manual_seed(config.seed)
+            state["x"] = torch.randn((config.batch, config.context, config.width),
+                                     generator=generator, device=device, dtype=dtype)
+
+        def forward():
+            weight_in, bias_in, weight_out, bias_out = state["parameters"]
+            activated = functional.gelu(functional.linear(state["x"], weight_in, bias_in))
+            output = functional.linear(activated, weight_out)  # a plain mm: the bias comes after the sum
+            del activated
+            dist.all_reduce(output, group=run.group)  # in place
+            return output.add_(bias_out)
+
+        def warmup():
+            for _ in range(config.warmup):
+                forward()
+
+        phases = []
+        try:
+            phases.append(_phase(torch, device, "model_load", load_model)[0])
+            phases.append(_phase(torch, device, "inputs", make_inputs)[0])
+            with torch.inference_mode():
+                record, output = _phase(torch, device, "cold_forward", forward, passes=1)
+                phases.append(record)
+                del output
+                phases.append(_phase(torch, device, "warmup", warmup, passes=config.warmup)[0])
+                for repeat in range(config.repeats):
+                    record, output = _phase(torch, device, "warm_forward", forward, index=repeat, passes=1)
+                    del output
+                    record["achieved_tflops"] = rank_flops / record["device_seconds"] / 1e12
+                    record["host_to_device_time_ratio"] = record["seconds"] / record["device_seconds"]
+                    phases.append(record)
+        except PhaseError as error:
+            run.fail(error)
+        ranks = run.gather({"rank": info.rank, "device": config.device, "device_name": env["device_name"],
+                            "outside_allocator": run.outside_allocator, "phases": phases})
+        document = None if ranks is None else {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "iteragpu-lab measurement",
+            "environment": env,
+            "configuration": config.record(),
+            "synthetic_model": model_info,
+            "ranks": ranks,
+        }
+        if write is not None:
+            problem = None
+            if document is not None:
+                try:
+                    write(document)
+                except LabError as exc:
+                    problem = str(exc)
+            problem = run.broadcast(problem)
+            if problem is not None:
+                run.fail(LabError(problem), rank=0)
+    return document
 
 
 def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
@@ -1532,17 +2108,47 @@ class AllocatorModel:
 ALLOCATION_KINDS = ("weights", "inputs", "workspace", "activations")
 
 
+RESERVED_ASSUMPTIONS = (
+    "a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no "
+    "expandable_segments, no max_split_size_mb), enough free memory (no cache flush and "
+    "retry), and free blocks of equal size taken in the order their segments were made")
+OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
+    "not predicted: what NCCL holds outside PyTorch's allocator (its buffers and communicators) is "
+    "measured per rank by measure, from the device's free memory")
+
+
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
             workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
     """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
-    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS."""
-    c = config
-    hidden = c.hidden_features
+    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS.
+    At tensor parallel N the document holds ``ranks`` (each rank's phases) instead of ``phases``."""
     workspace_bytes = tuple(workspace_bytes)
-    if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
-        raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
-    for size in workspace_bytes:
-        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
+    _check_workspace(workspace_bytes)
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "iteragpu-lab prediction",
+        "configuration": config.record(),
+        "synthetic_model": synthetic_model(config),
+        "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
+        "reserved_assumptions": RESERVED_ASSUMPTIONS,
+    }
+    if config.tensor_parallel is None:
+        document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features)
+        return document
+    # Every rank runs the same requests in the same order: its shard of hidden / N features (N
+    # divides hidden, checked when the config was built), the whole input, output and second bias.
+    # The all-reduce is in place and allocates nothing in the caching allocator, so each rank's
+    # replay is computed, not copied, with the same sizes.
+    document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
+    document["ranks"] = [{"rank": rank, "phases": _replay_phases(config, workspace_bytes, config.shard_hidden)}
+                         for rank in range(config.tensor_parallel)]
+    return document
+
+
+def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int) -> list:
+    """The phases of one process holding `hidden` features of the first Linear (all of them on one
+    GPU, hidden / N on each of N ranks), replayed on AllocatorModel."""
+    c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
     alloc = AllocatorModel()
@@ -1574,7 +2180,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         })
 
     def load_model():
-        for shape in synthetic_model(c)["parameter_shapes"].values():
+        for shape in parameter_shapes(c.width, hidden).values():
             malloc(math.prod(shape) * element, "weights")
 
     def forward():
@@ -1587,7 +2193,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         free(first)  # Sequential drops the first output once GELU has returned
         output = malloc(tokens * c.width * element, "activations")
         free(activated)
-        return output
+        return output  # at tensor parallel N, all-reduced and biased in place: no new block
 
     def measured_forward():
         live["output"] = forward()
@@ -1604,18 +2210,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     for repeat in range(c.repeats):
         phase("warm_forward", measured_forward, index=repeat, passes=1)
         free(live.pop("output"))
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "iteragpu-lab prediction",
-        "configuration": c.record(),
-        "synthetic_model": synthetic_model(c),
-        "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
-        "reserved_assumptions": (
-            "a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no "
-            "expandable_segments, no max_split_size_mb), enough free memory (no cache flush and "
-            "retry), and free blocks of equal size taken in the order their segments were made"),
-        "phases": phases,
-    }
+    return phases
 
 
 # What compare needs of a document: a synthetic configuration and phases with their counters (a
@@ -1635,38 +2230,84 @@ COMPARABLE_SCHEMA = {
 }
 
 
+COMPARABLE_RANKS_SCHEMA = {
+    "type": "object",
+    "required": ["configuration", "ranks"],
+    "properties": {
+        "configuration": {"$ref": "#/$defs/synthetic_configuration"},
+        "ranks": {"type": "array", "minItems": 1, "maxItems": MAX_TENSOR_PARALLEL, "items": {
+            "type": "object", "required": ["rank", "phases"],
+            "properties": {"rank": {"type": "integer", "minimum": 0, "maximum": MAX_TENSOR_PARALLEL - 1},
+                           "phases": COMPARABLE_SCHEMA["properties"]["phases"]},
+        }},
+    },
+}
+
+
 def compare(measurement: dict, workspace_bytes=None) -> dict:
     """Set a measurement of the synthetic network beside its prediction; differences are measured
-    minus predicted. The document is checked against the schema and the phases predict would give."""
+    minus predicted. The document is checked against the schema and the phases predict would give.
+    A tensor-parallel file is compared rank by rank (``ranks``: each rank's rows)."""
     configuration = measurement.get("configuration") if isinstance(measurement, dict) else None
     if isinstance(configuration, dict) and configuration.get("kind", "synthetic") != "synthetic":
         hint = ("; compare it with python -m lab_helpers.real_model compare FILE"
                 if configuration.get("kind") == "transformers" else "")
         raise LabError("compare predicts the synthetic network only; this file measured a "
                        f"{str(configuration['kind'])[:40]} model{hint}")
-    problem = next(_schema_errors(measurement, COMPARABLE_SCHEMA, "$", MEASUREMENT_SCHEMA), None)
+    parallel = isinstance(configuration, dict) and "tensor_parallel" in configuration
+    problem = next(_schema_errors(measurement, COMPARABLE_RANKS_SCHEMA if parallel else COMPARABLE_SCHEMA,
+                                  "$", MEASUREMENT_SCHEMA), None)
     if problem:
         raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")
     settings = {k: v for k, v in measurement["configuration"].items() if k != "kind"}
     config = MeasureConfig(**settings)
-    measured = measurement["phases"]
-    bare = predict(config, workspace_bytes=())["phases"]
     if workspace_bytes is None:
-        prediction = predict(config)
+        workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:
-        prediction = predict(config, workspace_bytes, "given on the command line")
+        workspace = {"bytes": list(workspace_bytes), "source": "given on the command line"}
+    _check_workspace(workspace["bytes"])
+    if not parallel:
+        return {"workspace": workspace,
+                **_compare_phases(config, measurement["phases"], tuple(workspace["bytes"]),
+                                  config.hidden_features, "$.phases")}
+    ranks = measurement["ranks"]
+    if len(ranks) != config.tensor_parallel:
+        raise LabError(f"$.ranks: {len(ranks)} ranks, but tensor_parallel is {config.tensor_parallel}")
+    results = []
+    for i, rank in enumerate(ranks):
+        if rank["rank"] != i:
+            raise LabError(f"$.ranks[{i}].rank: {rank['rank']}, but ranks are listed in order from 0")
+        compared = _compare_phases(config, rank["phases"], tuple(workspace["bytes"]), config.shard_hidden,
+                                   f"$.ranks[{i}].phases")
+        results.append({"rank": i, "device": rank.get("device"), "outside_allocator": rank.get("outside_allocator"),
+                        **compared})
+    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace,
+            "allocated_exact": all(r["allocated_exact"] for r in results), "ranks": results}
+
+
+def _check_workspace(workspace_bytes) -> None:
+    if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
+        raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
+    for size in workspace_bytes:
+        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
+
+
+def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str) -> dict:
+    """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
+    bare = _replay_phases(config, (), hidden)
+    predicted = _replay_phases(config, workspace_bytes, hidden)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
-        raise LabError(f"$.phases: {len(measured)} records, but measure writes {len(expected)} for "
+        raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
                        f"warmup {config.warmup} and repeats {config.repeats}")
     for i, (got, want) in enumerate(zip(measured, expected)):
         if (got["phase"], got["index"]) != want:
-            raise LabError(f"$.phases[{i}]: phase {got['phase']!r} index {got['index']!r}, but measure "
+            raise LabError(f"{where}[{i}]: phase {got['phase']!r} index {got['index']!r}, but measure "
                            f"writes phase {want[0]!r} index {want[1]!r} there")
     cold = PHASES.index("cold_forward")
     detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]
     rows = []
-    for got, want in zip(measured, prediction["phases"]):
+    for got, want in zip(measured, predicted):
         row = {"phase": got["phase"], "index": got["index"]}
         for key in want:
             if key.endswith("_bytes"):
@@ -1676,7 +2317,6 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
         rows.append(row)
     allocated_keys = [k for k in rows[0] if k.startswith("difference_") and "allocated" in k]
     return {
-        "workspace": prediction["workspace"],
         "workspace_detected_bytes": detected,
         "allocated_exact": all(row[k] == 0 for row in rows for k in allocated_keys),
         "rows": rows,
@@ -1730,23 +2370,60 @@ def estimate_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _rank_groups(ranks: list) -> list:
+    """[(rank numbers, phases)]: consecutive ranks with identical phases shown once."""
+    groups = []
+    for rank in ranks:
+        if groups and groups[-1][1] == rank["phases"]:
+            groups[-1][0].append(rank["rank"])
+        else:
+            groups.append(([rank["rank"]], rank["phases"]))
+    return groups
+
+
+def _ranks_label(numbers: list) -> str:
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
+
+
 def predict_table(result: dict) -> str:
-    """Predicted end and peak of allocated and reserved per phase, for people."""
+    """Predicted end and peak of allocated and reserved per phase (per rank at tensor parallel N),
+    for people."""
     counters = ("end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")
     header = ("phase", "end allocated", "peak allocated", "end reserved", "peak reserved")
-    rows = [(_label(p), *(format_bytes(p[k]) for k in counters)) for p in result["phases"]]
     workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
-    return "\n".join([
-        f"prediction: {_sizes_line(result['configuration'])}",
-        text_table(header, rows),
-        "each phase starts from the previous one's end",
-        f"workspace: {workspace} bytes ({result['workspace']['source']})",
-        f"reserved assumes: {result['reserved_assumptions']}",
-    ])
+    lines = [f"prediction: {_sizes_line(result['configuration'])}"]
+    if "ranks" in result:
+        for numbers, phases in _rank_groups(result["ranks"]):
+            lines.append(f"{_ranks_label(numbers)}:")
+            lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters)) for p in phases]))
+    else:
+        lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters))
+                                         for p in result["phases"]]))
+    lines += ["each phase starts from the previous one's end",
+              f"workspace: {workspace} bytes ({result['workspace']['source']})",
+              f"reserved assumes: {result['reserved_assumptions']}"]
+    if "outside_allocator" in result:
+        lines.append(f"NCCL outside the allocator: {result['outside_allocator']}")
+    return "\n".join(lines)
 
 
 def compare_table(result: dict) -> str:
-    """Measured beside predicted peaks per phase, differences in bytes, for people."""
+    """Measured beside predicted peaks per phase, differences in bytes, for people; one table per
+    rank at tensor parallel N, with what NCCL holds outside the allocator on that rank."""
+    if "ranks" not in result:
+        return _compare_rows_table(result)
+    parts = [f"tensor parallel {result['tensor_parallel']}: allocated exact on every rank: "
+             f"{'yes' if result['allocated_exact'] else 'no'}"]
+    for rank in result["ranks"]:
+        outside = rank.get("outside_allocator") or {}
+        nccl = outside.get("nccl_outside_allocator_bytes")
+        parts.append(f"rank {rank['rank']} ({rank.get('device')}): NCCL outside the allocator "
+                     f"{'not measured' if nccl is None else format_bytes(nccl) if nccl >= 0 else f'{nccl} B'}")
+        parts.append(_compare_rows_table({**rank, "workspace": result["workspace"]}))
+    return "\n".join(parts)
+
+
+def _compare_rows_table(result: dict) -> str:
     header = ("phase", "measured peak allocated", "predicted", "difference B",
               "measured peak reserved", "predicted", "difference B")
     rows = []
@@ -1766,9 +2443,26 @@ def compare_table(result: dict) -> str:
 
 
 def environment_table(result: dict) -> str:
-    """The environment report as 'key  value' lines, for people."""
-    width = max(map(len, result))
-    return "\n".join(f"{key.ljust(width)}  {'' if value is None else value}".rstrip() for key, value in result.items())
+    """The environment report as 'key  value' lines, then one row per visible GPU, for people."""
+    fields = {key: value for key, value in result.items() if key != "devices"}
+    width = max(map(len, fields))
+    lines = [f"{key.ljust(width)}  {'' if value is None else value}".rstrip() for key, value in fields.items()]
+    if "devices" not in result:
+        return "\n".join(lines)
+    if not result["devices"]:
+        return "\n".join([*lines, "visible GPUs: none"])
+
+    def usable(entry):
+        value = entry.get("usable_memory_bytes")
+        return format_bytes(value) if isinstance(value, int) else f"unavailable: {entry.get('usable_memory_unavailable_reason')}"
+    rows = []
+    for entry in result["devices"]:
+        if "unavailable_reason" in entry:
+            rows.append((f"cuda:{entry['index']}", f"unavailable: {entry['unavailable_reason']}", "", "", ""))
+        else:
+            rows.append((f"cuda:{entry['index']}", entry["name"], format_bytes(entry["total_memory_bytes"]),
+                         format_bytes(entry["free_memory_bytes"]), usable(entry)))
+    return "\n".join([*lines, "visible GPUs:", text_table(("device", "name", "total", "free", "usable"), rows)])
 
 
 # --------------------------------------------------------------------- CLI
@@ -1816,6 +2510,11 @@ def _format_flag(parser) -> None:
                         help="json for programs (default), table for people")
 
 
+def _tensor_parallel_flag(parser, text: str) -> None:
+    parser.add_argument("--tensor-parallel", type=whole_number(1, MAX_TENSOR_PARALLEL), default=None, metavar="N",
+                        help=text)
+
+
 def _workspace_flag(parser, text: str) -> None:
     parser.add_argument("--workspace-bytes", type=whole_number(0, MAX_WORKSPACE_BYTES), nargs="*", default=None,
                         metavar="N", help=text)
@@ -1847,8 +2546,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the child process that measures usable_memory_bytes")
     _format_flag(p)
     p = command("measure")
-    p.add_argument("--device", default="cuda:0", help="device to measure on, an explicit cuda:N (default cuda:0)")
+    p.add_argument("--device", default=None,
+                   help="device to measure on, an explicit cuda:N (default cuda:0); with --tensor-parallel N > 1 "
+                        "leave it out: rank r measures on cuda:LOCAL_RANK")
     add_size_flags(p)
+    _tensor_parallel_flag(p, "split the network over N GPUs, one process each, started by torchrun "
+                             "(torchrun --nproc-per-node N -m lab_helpers.mesure_memoire measure ... "
+                             f"--tensor-parallel N), 1 to {MAX_TENSOR_PARALLEL}; N must divide --hidden")
     p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
                    help="seed of the weights and inputs (default 0)")
     p.add_argument("--output", required=True, help="new JSON file to create; an existing file is never overwritten")
@@ -1858,6 +2562,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_timeline_flags(p)
     p = command("predict")
     add_size_flags(p)
+    _tensor_parallel_flag(p, "predict every rank of the network split over N GPUs (no GPU needed), 1 to "
+                             f"{MAX_TENSOR_PARALLEL}; N must divide --hidden")
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     _format_flag(p)
@@ -1871,7 +2577,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_from(args) -> MeasureConfig:
-    return MeasureConfig(**{k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__ if hasattr(args, k)})
+    settings = {k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__ if hasattr(args, k)}
+    if "device" in settings and settings["device"] is None:
+        del settings["device"]  # cuda:0 on one GPU; cuda:LOCAL_RANK per rank at tensor parallel N
+    elif "device" in settings and (settings.get("tensor_parallel") or 1) > 1:
+        raise LabError(f"--device is not used with --tensor-parallel {settings['tensor_parallel']}: each rank "
+                       "measures on cuda:LOCAL_RANK (torchrun starts one process per GPU); leave --device out")
+    return MeasureConfig(**settings)
+
+
+def own_command(argv) -> list:
+    """How this file was started, then `argv`: `-m lab_helpers.mesure_memoire ...` for the module
+    (python -m, or the iteragpu-memory command), the script as typed for a copy run as a file."""
+    if globals().get("__spec__") is None and sys.argv and sys.argv[0].endswith(".py"):
+        return [display_path(sys.argv[0]), *argv]
+    return ["-m", "lab_helpers.mesure_memoire", *argv]
+
+
+def measure_tensor_parallel_command(args, config: MeasureConfig):
+    """measure --tensor-parallel N in one of torchrun's processes: the result for rank 0, None for
+    the others (they print nothing)."""
+    if (args.failure_report is not None or args.timeline is not None or args.timeline_stacks
+            or args.timeline_max_entries != DEFAULT_MAX_ENTRIES):
+        raise LabError("--failure-report and the --timeline flags record one GPU; leave them out with "
+                       "--tensor-parallel (a failure on any rank is reported on every rank's stderr)")
+    info = launch_info(config.tensor_parallel, own_command(getattr(args, "command_argv", None) or []))
+    if args.device is None:
+        config = replace(config, device=info.device)
+    document = measure_tensor_parallel(config, info, write=lambda d: write_new_json(args.output, d))
+    if document is None:
+        return None
+    return {"output": display_path(args.output), "tensor_parallel": config.tensor_parallel,
+            "ranks": len(document["ranks"]), "phases": len(document["ranks"][0]["phases"])}
 
 
 def _workspace_from(args):
@@ -1960,6 +2697,8 @@ def run_command(args) -> dict:
         return compare(document, workspace)
     config = _config_from(args)
     check_new_output(args.output)
+    if config.tensor_parallel is not None:
+        return measure_tensor_parallel_command(args, config)
     if args.failure_report is not None:
         check_new_output(args.failure_report)
     history = timeline_recorder(args, {"--output": args.output, "--failure-report": args.failure_report})
@@ -2008,6 +2747,7 @@ def main(argv=None) -> int:
         print(_command_list(), file=sys.stderr)
         return EXIT_USAGE
     args = build_parser().parse_args(argv)
+    args.command_argv = argv  # the torchrun command a tensor-parallel measure asks for repeats it
     try:
         result = run_command(args)
     except LabError as exc:
@@ -2025,6 +2765,8 @@ def main(argv=None) -> int:
             note += save_oom_snapshot(args.timeline, exc)
         print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
         return EXIT_PHASE
+    if result is None:  # a tensor-parallel rank other than 0: rank 0 reports for all
+        return EXIT_OK
     if getattr(args, "format", "json") == "table":
         print(TABLES[args.command](result))
     else:

@@ -64,7 +64,12 @@ def read_runs(paths) -> list:
         if path.stem in seen:
             raise RunsError(f"two files are named {path.stem!r}; rename one, the run is named after the file")
         seen.add(path.stem)
-        documents.append((path.stem, read_measurement(path)))
+        document = read_measurement(path)
+        if "ranks" in document:  # a tensor-parallel file: its phases are per rank
+            raise RunsError(f"{path}: a tensor-parallel measurement (phases per rank); runs compares one-GPU "
+                            "files; set its ranks beside their prediction with: python -m "
+                            "lab_helpers.mesure_memoire compare FILE")
+        documents.append((path.stem, document))
     return documents
 
 

@@ -562,7 +562,7 @@ def main(argv=None) -> int:
         args = build_sweep_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed on one line
         return exc.code
-    sizes = {k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__}
+    sizes = {k: getattr(args, k) for k in MeasureConfig.__dataclass_fields__ if hasattr(args, k)}
     try:
         try:
             config = MeasureConfig(**sizes)
