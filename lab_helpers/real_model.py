@@ -25,8 +25,8 @@ from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_
                                        environment, parse_device, read_json_file, run_phase, save_oom_snapshot,
                                        timeline_recorder, usable_memory, whole_number, write_new_json,
                                        write_timeline, quiet_broken_pipe)
-from lab_helpers.model_config import (DTYPE_BYTES, ConfigError, ModelShape, bundled_names, load_config,
-                                      parse_config)
+from lab_helpers.model_config import (DTYPE_BYTES, MAX_TENSOR_PARALLEL, ConfigError, ModelShape, bundled_names,
+                                      check_tensor_parallel, load_config, parse_config)
 # <<< library only
 
 SCHEMA_VERSION = 1
@@ -60,10 +60,14 @@ class RunSpec:
     device: str = "cuda:0"
     seed: int = 0
     decode_record_every: int = 1
+    tensor_parallel: int = 1  # GPUs the model is split across with transformers' plan
 
     def checked(self) -> "RunSpec":
         """Raise LabError on a bad value; return self."""
         parse_device(self.device)  # an explicit cuda:N, checked before torch is imported
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_TENSOR_PARALLEL:
+            raise LabError(f"--tensor-parallel must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {tp!r}")
         if self.dtype not in DTYPE_BYTES:
             raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, high in (("batch", MAX_BATCH), ("context", MAX_CONTEXT), ("new_tokens", MAX_NEW_TOKENS)):
@@ -145,12 +149,64 @@ def _weight_init_on_meta(device):
         modeling_utils.get_torch_context_manager_or_global_device = original
 
 
-def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) -> None:
+def _tensor_parallel_skeleton(hf_config, dtype, mesh):
+    """The model on meta with transformers' own plan applied (tp_plan "auto": the config
+    class's base_model_tp_plan and the model's _tp_plan): every split parameter becomes a
+    DTensor placeholder whose local meta shard has this rank's shape; nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    if not getattr(type(hf_config), "base_model_tp_plan", None):
+        raise LabError(f"{type(hf_config).__name__} has no tensor-parallel plan in transformers; "
+                       f"--tensor-parallel must be 1 for this architecture")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    return apply_tensor_parallelism(model, mesh)
+
+
+def _materialise_local_shards(model, device, std: float):
+    """Give every parameter and buffer of a meta skeleton this rank's local memory on `device`.
+
+    Parameters in named_modules order, each allocated at its local (sharded) shape and
+    initialised in place as transformers' _init_weights does (normal for projections and
+    embeddings, zeros for biases, ones for norms), so the full weights never exist on one
+    GPU. Buffers (the rotary frequencies, float32) are computed on the CPU by a fresh module
+    of the same class and copied to the device, one allocation each."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            shard = param.to_local() if isinstance(param, DTensor) else param
+            local = torch.empty(tuple(shard.shape), dtype=shard.dtype, device=device)
+            with torch.no_grad():
+                if name == "bias":
+                    local.zero_()
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    local.normal_(0.0, std)
+                else:
+                    local.fill_(1.0)
+            if isinstance(param, DTensor):
+                local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                           shape=param.shape, stride=param.stride())
+            module._parameters[name] = torch.nn.Parameter(local, requires_grad=False)
+        buffers = list(module.named_buffers(recurse=False))
+        if buffers:
+            if not hasattr(module, "config"):
+                raise LabError(f"cannot rebuild the buffers of {type(module).__name__} at tensor parallel > 1")
+            with torch.device("cpu"):
+                fresh = type(module)(config=module.config)
+            for name, _ in buffers:
+                module._buffers[name] = getattr(fresh, name).to(device)
+
+
+def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, mesh=None) -> None:
     """Build, feed, prefill and decode; `phase(name, action, index, recorded)` runs each step.
 
     The same function runs on a GPU (measured) and on the meta device (traced), so the
     order in which tensors are made and dropped is the same in both. With `model` (an
-    already built one), the model_load phase is skipped."""
+    already built one), the model_load phase is skipped. At tensor parallel N, `mesh` is
+    this rank's one-dimensional DeviceMesh (NCCL on a GPU, the fake backend on meta): the
+    skeleton is built on meta before the phase and model_load allocates the local shards."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -159,9 +215,17 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None) ->
     state = {}
     if model is None:
         _import_model_code(hf_config)
+    if spec.tensor_parallel > 1 and mesh is None:
+        raise LabError("tensor parallel > 1 needs a device mesh")
+    skeleton = (_tensor_parallel_skeleton(hf_config, dtype, mesh)
+                if model is None and spec.tensor_parallel > 1 else None)
 
     def load_model():
         torch.manual_seed(spec.seed)
+        if skeleton is not None:
+            _materialise_local_shards(skeleton, device, hf_config.initializer_range)
+            state["model"] = skeleton.eval()
+            return state["model"]
         with torch.device(device), _weight_init_on_meta(device):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
         state["model"] = model.eval()
@@ -274,7 +338,7 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab measurement",
         "environment": env,
-        "configuration": {"kind": "transformers", **asdict(spec)},
+        "configuration": _configuration(spec),
         "model": model_description(shape, spec.dtype),
         "phases": phases,
     }
@@ -304,13 +368,17 @@ def _tracing():
         return sys.modules["__main__"]
 
 
-def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None) -> dict:
-    """Trace the model_load phase once; predictions of other sizes start from a copy of it."""
+def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
+                        mesh=None) -> dict:
+    """Trace the model_load phase once; predictions of other sizes start from a copy of it.
+
+    At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay alive
+    while the loaded model is used (its forward hooks call the mesh's process group)."""
     import torch
     AllocationTracer = _tracing().AllocationTracer
     CappedAllocator = _tracing().CappedAllocator
     tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
-    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes}
+    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh}
 
     def phase(name, action, index, recorded):
         with tracer:
@@ -325,11 +393,11 @@ def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None) -> d
         }
         raise _Loaded()
 
-    spec = RunSpec(shape.name, dtype=dtype).checked()
+    spec = RunSpec(shape.name, dtype=dtype, tensor_parallel=tensor_parallel).checked()
     hf_config = _hf_config(shape)
     _import_model_code(hf_config)
     try:
-        run_protocol(shape, spec, torch.device("meta"), phase)
+        run_protocol(shape, spec, torch.device("meta"), phase, mesh=mesh)
     except _Loaded:
         pass
     tracer.settle()
@@ -343,15 +411,74 @@ class _Loaded(Exception):
     """Stops run_protocol once the model is built."""
 
 
-def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None) -> dict:
-    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device."""
+def _configuration(spec: RunSpec) -> dict:
+    """The configuration block of a document; a one-GPU document keeps its format (no tensor_parallel)."""
+    configuration = {"kind": "transformers", **asdict(spec)}
+    if spec.tensor_parallel == 1:
+        del configuration["tensor_parallel"]
+    return configuration
+
+
+def check_degree(shape: ModelShape, degree: int) -> None:
+    """LabError unless `degree` GPUs can split `shape` with transformers' plan."""
+    try:
+        check_tensor_parallel(shape, degree)
+    except ConfigError as exc:
+        raise LabError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """This process as rank `rank` of `world_size` on torch's fake backend (collectives do
+    nothing); yields the one-dimensional DeviceMesh the model is split over."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise LabError("a torch.distributed process group already exists in this process; a tensor-parallel "
+                       "prediction runs its own (fake) one, so run it in a process without one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
+                  tensor_parallel: "int | None" = None) -> dict:
+    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
+
+    At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
+    turn under torch's fake process-group backend, and the document has a "ranks" list (each
+    rank's "overall" and "phases") instead of "phases"; its "overall" is the worst rank's. With
+    `loaded` at N > 1 (from load_for_prediction, whose fake group must still be open), only that
+    loaded rank is predicted, and returned as the document of one rank."""
+    if tensor_parallel is not None:
+        spec = replace(spec, tensor_parallel=tensor_parallel)
     spec.checked()
+    check_degree(shape, spec.tensor_parallel)
+    degree = spec.tensor_parallel
+    if degree == 1 or loaded is not None:
+        return _predict_rank(shape, spec, capacity_bytes, loaded)
+    ranks = []
+    for rank in range(degree):
+        with fake_process_group(rank, degree) as mesh:
+            one = _predict_rank(shape, spec, capacity_bytes, None, mesh)
+        ranks.append({"rank": rank, "overall": one.pop("overall"), "phases": one.pop("phases")})
+    one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
+                                                                           "peak_reserved_bytes")}
+    one["ranks"] = ranks
+    return one
+
+
+def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None) -> dict:
     import copy
 
     import torch
     AllocationTracer = _tracing().AllocationTracer
-    if loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes:
-        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes)
+    if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes
+            or loaded["tensor_parallel"] != spec.tensor_parallel):
+        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes, spec.tensor_parallel, mesh)
     tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
     alloc = tracer.allocator
     phases = [dict(loaded["record"])]
@@ -375,18 +502,20 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
                 "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
             })
 
-    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"])
+    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"], mesh=loaded["mesh"])
     prediction = {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
-        "configuration": {"kind": "transformers", **asdict(spec)},
+        "configuration": _configuration(spec),
         "model": model_description(shape, spec.dtype),
         "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
         "assumptions": ASSUMPTIONS,
         "overall": totals,
         "phases": phases,
     }
-    _where_the_bytes_go(prediction, shape, spec, loaded["weights_bytes"], tracer.workspace_bytes)
+    # a rank's key/value cache holds its own heads: num_key_value_heads / N
+    local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
+    _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
     return prediction
 
 
@@ -535,6 +664,40 @@ def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
         return {"fits": False}
     return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
             "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
+
+
+def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: int) -> dict:
+    """Does `spec` fit `degree` GPUs of `budget_bytes` each, the model split with transformers' plan?
+
+    `budget_bytes` is what one rank's allocator may reserve (a GPU's usable memory less what
+    NCCL holds outside the allocator, when known). Every rank is predicted with no GPU, each
+    under a replayed allocator capped at the budget (see `fit`'s criterion). Returns
+    {"fits": bool, "peak_reserved_bytes": int | None, "peak_allocated_bytes": int | None,
+    "reason": str | None}: the peaks are the worst rank's (None when it does not fit);
+    "reason" says why not (a degree the plan cannot split the model by, weights and cache
+    beyond the budget, or the rank that ran out). Raises LabError on a bad spec or budget."""
+    spec = replace(spec, tensor_parallel=1).checked()
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+    no = {"fits": False, "peak_reserved_bytes": None, "peak_allocated_bytes": None}
+    try:
+        check_tensor_parallel(shape, degree)
+    except ConfigError as exc:
+        return {**no, "reason": str(exc)}
+    # Each rank holds at least 1/N of every weight and of the key/value cache at the last
+    # decode step (a split tensor's shards sum to it; a whole one is on every rank): beyond
+    # the budget the run cannot fit, whatever the allocator does.
+    held = shape.parameter_bytes(spec.dtype) + shape.kv_cache_bytes(spec.batch, spec.context + spec.new_tokens,
+                                                                     spec.dtype)
+    if -(-held // degree) > budget_bytes:
+        return {**no, "reason": f"weights and key/value cache alone take {-(-held // degree)} bytes per rank"}
+    OutOfMemory = _tracing().OutOfMemory
+    try:
+        prediction = predict_model(shape, spec, capacity_bytes=budget_bytes, tensor_parallel=degree)
+    except OutOfMemory as exc:
+        return {**no, "reason": f"out of memory in the replayed allocator: {exc}"}
+    return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
+            "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"], "reason": None}
 
 
 def _largest(fits, high: int) -> int:
