@@ -374,7 +374,7 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
             try:
                 check_new_output(output)  # before minutes of loading, on every rank's behalf
             except LabError as exc:
-                run.fail(exc, phase="before the model is built")
+                run.fail(exc)
         env = environment(spec.device, usable_memory_figure=False)
         phases = []
 
@@ -411,7 +411,7 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
                 try:
                     write_new_json(output, document)
                 except LabError as exc:
-                    run.fail(exc, phase="writing the result")
+                    run.fail(exc)
         run.broadcast(None)  # every rank ends after the file exists
     return document
 
