@@ -21,10 +21,10 @@ from pathlib import Path
 from lab_helpers.calcul_forfaits import ForfaitError, load_card
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
                                        WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
-                                       PhaseError, add_timeline_flags, check_new_output, display_path,
-                                       environment, parse_device, read_json_file, run_phase, save_oom_snapshot,
-                                       timeline_recorder, usable_memory, whole_number, write_new_json,
-                                       write_timeline, quiet_broken_pipe)
+                                       PhaseError, TensorParallelRun, add_timeline_flags, check_new_output,
+                                       display_path, environment, launch_info, parse_device, read_json_file,
+                                       run_phase, save_oom_snapshot, timeline_recorder, usable_memory,
+                                       whole_number, write_new_json, write_timeline, quiet_broken_pipe)
 from lab_helpers.model_config import (DTYPE_BYTES, MAX_TENSOR_PARALLEL, ConfigError, ModelShape, bundled_names,
                                       check_tensor_parallel, load_config, parse_config)
 # <<< library only
@@ -354,11 +354,6 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
     written. `command` is the argv given, to say how to launch it when no launcher did."""
     spec.checked()
     check_degree(shape, spec.tensor_parallel)
-    try:  # run by torchrun, never in a notebook
-        from lab_helpers.mesure_memoire import TensorParallelRun, launch_info
-    except ImportError:
-        raise LabError("this lab_helpers.mesure_memoire has no tensor-parallel runner; "
-                       "measure --tensor-parallel needs it") from None
     info = launch_info(spec.tensor_parallel, command)  # LabError before torch touches a GPU
     try:
         import torch
