@@ -164,16 +164,20 @@ def _tensor_parallel_skeleton(hf_config, dtype, mesh):
     return apply_tensor_parallelism(model, mesh)
 
 
-def _materialise_local_shards(model, device, std: float):
+def _materialise_local_shards(model, device, std: float, seed: int, rank: int):
     """Give every parameter and buffer of a meta skeleton this rank's local memory on `device`.
 
     Parameters in named_modules order, each allocated at its local (sharded) shape and
     initialised in place as transformers' _init_weights does (normal for projections and
     embeddings, zeros for biases, ones for norms), so the full weights never exist on one
     GPU. Buffers (the rotary frequencies, float32) are computed on the CPU by a fresh module
-    of the same class and copied to the device, one allocation each."""
+    of the same class and copied to the device, one allocation each. Whole tensors draw from
+    the global generator (seeded with `seed`: equal on every rank, as they must be); shards
+    from a generator of this rank's own, so that the ranks' shards differ."""
     import torch
     from torch.distributed.tensor import DTensor
+    # a generator holds its state on the host: the caching allocator sees nothing of it
+    shards = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed + 1 + rank)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             shard = param.to_local() if isinstance(param, DTensor) else param
@@ -182,7 +186,7 @@ def _materialise_local_shards(model, device, std: float):
                 if name == "bias":
                     local.zero_()
                 elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    local.normal_(0.0, std)
+                    local.normal_(0.0, std, generator=shards if isinstance(param, DTensor) else None)
                 else:
                     local.fill_(1.0)
             if isinstance(param, DTensor):
@@ -223,7 +227,8 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     def load_model():
         torch.manual_seed(spec.seed)
         if skeleton is not None:
-            _materialise_local_shards(skeleton, device, hf_config.initializer_range)
+            _materialise_local_shards(skeleton, device, hf_config.initializer_range, spec.seed,
+                                      mesh.get_local_rank())
             state["model"] = skeleton.eval()
             return state["model"]
         with torch.device(device), _weight_init_on_meta(device):
