@@ -129,3 +129,33 @@ def test_an_existing_output_is_kept_and_every_rank_ends(tmp_path):
     assert proc.returncode != 0 and existing.read_text() == "keep"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("real_model: error: ")]
     assert len(lines) == 2 and all("rank 0" in line for line in lines), proc.stderr[-3000:]
+
+
+HOG = r"""
+import sys, torch
+free, _ = torch.cuda.mem_get_info(1)
+hog = torch.empty(free - 4 * 2**30, dtype=torch.uint8, device="cuda:1")  # leave 4 GiB on GPU 1
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_out_of_memory_on_rank_1_only_ends_both_ranks_naming_it_and_writes_no_file(tmp_path):
+    """Another process fills GPU 1 but 4 GiB: rank 1 cannot hold its half of an 8B model (8 GB),
+    rank 0 can; both ranks end with one line naming rank 1 and model_load, and no file exists."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        out = tmp_path / "m.json"
+        proc = torchrun("measure", "--config", "llama-3.1-8b", "--batch", 1, "--context", 128, "--new-tokens", 1,
+                        "--tensor-parallel", 2, "--output", out, timeout=300)
+    finally:
+        hog.stdin.close()
+        hog.wait(timeout=60)
+    report("real-model-tp-measurements.jsonl", {"test": "out of memory on rank 1", "exit": proc.returncode,
+                                                "stderr": proc.stderr.strip()[-3000:]})
+    assert proc.returncode != 0 and not out.exists()
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("real_model: error: ")]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
+    assert "rank 1 failed in phase model_load" in lines[0] and "no file written" in lines[0]
