@@ -892,6 +892,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
                        "peak_reserved_bytes": point.get("peak_reserved_bytes"),
                        "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
     if batch is not None:
+        result["batch"] = batch  # the table names it
         result["largest_context_at_batch"] = _largest(lambda t: fits(batch, t), context_limit)
         result["context_bound"] = context_limit
     if context is not None:
@@ -899,6 +900,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
             raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                            f"minus {new_tokens} new tokens")
         high = min(MAX_BATCH, MAX_TOKENS // (context + new_tokens))
+        result["context"] = context
         result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
     result["weights_fit"] = loaded is not None
     result["predictions_run"] = len(predictions)
