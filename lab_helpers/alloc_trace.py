@@ -23,6 +23,11 @@ from lab_helpers.mesure_memoire import LARGE_SEGMENT_BYTES, AllocatorModel
 
 MIB = 2**20
 aten = torch.ops.aten
+# Collectives, as CUDA runs them under NCCL: c10d's in-place ones (all_reduce and the like)
+# allocate nothing through the caching allocator (NCCL's own buffers live outside it); a
+# functional all_gather allocates its output, which its meta kernel reproduces; wrapping
+# that output for autograd (_wrap_tensor_autograd) makes no new storage on CUDA, while its
+# meta kernel returns a fresh empty_like: it is replaced by the input itself.
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,8 @@ class AllocationTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten.scaled_dot_product_attention.default:
             return self._attention(*args, **kwargs)
+        if func.namespace == "_c10d_functional" and func.__name__.startswith("_wrap_tensor_autograd"):
+            return args[0]
         result = self._run(func, args, kwargs)
         self._track(result, tree_leaves((args, kwargs)))
         self._after_kernel(func, args)

@@ -202,3 +202,31 @@ def _check_finite(data: dict, name: str) -> None:
     for key, value in data.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"config key {key!r} in {name} is not a finite number")
+
+
+MAX_TENSOR_PARALLEL = 64
+
+
+def check_tensor_parallel(shape: ModelShape, degree) -> None:
+    """Raise ConfigError unless `degree` GPUs can split `shape` with transformers' plan.
+
+    The plan of the three supported families shards q, k and v projections by output
+    features (whole heads: num_attention_heads and num_key_value_heads), o_proj by input
+    features (the heads again), gate and up projections by output features and down_proj
+    by input features (intermediate_size), and lm_head by output features (vocab_size,
+    gathered after the product). The embedding and the norms stay whole on every rank;
+    hidden_size must divide too, as the heads' width split evenly (a config whose head_dim
+    makes the heads' width differ from hidden_size is refused there rather than guessed)."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_TENSOR_PARALLEL:
+        raise ConfigError(f"--tensor-parallel must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {degree!r}")
+    if degree == 1:
+        return
+    for key, value in (("num_attention_heads", shape.heads), ("num_key_value_heads", shape.kv_heads),
+                       ("hidden_size", shape.hidden), ("intermediate_size", shape.intermediate),
+                       ("vocab_size", shape.vocab)):
+        if value % degree:
+            raise ConfigError(f"--tensor-parallel {degree} does not divide config key {key!r} ({value}), "
+                              f"which the tensor-parallel plan splits across the GPUs")
+    if shape.tied_embeddings:
+        raise ConfigError("config key 'tie_word_embeddings': tied embeddings at tensor parallel > 1 are not "
+                          "covered (the plan splits lm_head but not the embedding it shares)")
