@@ -23,7 +23,7 @@ from lab_helpers.real_model import MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fit
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
 # Tensor parallelism runs over NCCL between the GPUs of one machine, and a machine holds at most 8
 # of them on the usual NVLink/NVSwitch boards: degrees 1 to 8 are searched, never beyond.
-MAX_TENSOR_PARALLEL = 8
+CARD_MAX_DEGREE = 8
 # The derived budgets scale the one usable figure measured on an H200 SXM by the ratio of the
 # vendor's figures: NVIDIA publishes 141 GB for it, the card's memory_per_gpu_gib for h200-sxm.
 REFERENCE_GPU = "h200-sxm"
@@ -93,7 +93,7 @@ def check_request(days, accepted_results) -> None:
 
 
 def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, accepted_results=None,
-                      fits=None, max_degree: int = MAX_TENSOR_PARALLEL, card_name: str = "") -> dict:
+                      fits=None, max_degree: int = CARD_MAX_DEGREE, card_name: str = "") -> dict:
     """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
 
     `fits(degree, rank_budget_bytes) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}`
