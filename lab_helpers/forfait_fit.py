@@ -36,6 +36,8 @@ NCCL_OUTSIDE_ALLOCATOR_BYTES = 977272832
 NCCL_RULE = (f"at degree > 1 each rank's budget is the GPU's less {NCCL_OUTSIDE_ALLOCATOR_BYTES} bytes that "
              "NCCL holds outside the allocator, measured on two H200s at tensor parallel 2; the same figure "
              "is assumed at other degrees and on other GPUs (not measured there)")
+# A budget no GPU reaches (1 PiB, real_model fit's largest --memory-bytes): a run "with no cap".
+UNCAPPED_BUDGET_BYTES = 2**50
 MEASURED = "measured"
 DERIVED = "derived, not measured"
 DERIVATION_RULE = (
@@ -97,9 +99,9 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
     """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
 
     `fits(degree, rank_budget_bytes) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}`
-    (the worst rank's) defaults to real_model.fits_at_degree; it is called once per (degree,
-    budget): GPU models with the same budget share one prediction. Only the degrees
-    model_config.check_tensor_parallel accepts are tried."""
+    (the worst rank's) defaults to real_model.fits_at_degree; it is called at most once per
+    (degree, budget), first with no cap (UNCAPPED_BUDGET_BYTES), then only for the budgets below
+    that run's peak reserved. Only the degrees model_config.check_tensor_parallel accepts are tried."""
     spec.checked()
     check_request(days, accepted_results)
     if fits is None:
@@ -115,6 +117,14 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
     cache = {}
 
     def fits_once(degree, budget):
+        # Under a budget at or above the run's peak reserved with no cap, the capped allocator
+        # never reaches its cap, so it replays the same requests to the same peaks: one run with no
+        # cap per degree answers every such budget; only budgets below its peak need their own.
+        if (degree, None) not in cache:
+            cache[(degree, None)] = fits(degree, UNCAPPED_BUDGET_BYTES)
+        free = cache[(degree, None)]
+        if free["fits"] and free["peak_reserved_bytes"] <= budget:
+            return free
         if (degree, budget) not in cache:
             cache[(degree, budget)] = fits(degree, budget)
         return cache[(degree, budget)]

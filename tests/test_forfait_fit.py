@@ -1,9 +1,10 @@
 """real_model fit --card: the cheapest forfait of the rate card that fits, exact to the cent."""
 import json
+import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_module
 from lab_helpers import forfait_fit, real_model
 from lab_helpers.calcul_forfaits import load_card
 from lab_helpers.model_config import load_config
@@ -70,8 +71,8 @@ def test_qwen_budgets_measured_or_derived_by_the_stated_rule(qwen_result):
             assert row["memory_source"] == "derived, not measured"
             assert row["budget_bytes"] == DERIVED_BUDGETS[row["memory_per_gpu_gb"]]
             assert f"= {row['budget_bytes']} bytes" in row["memory_basis"]
-    # one prediction per distinct budget: 8 budgets for 15 GPU models
-    assert qwen_result["predictions_run"] == 8
+    # one prediction with no cap: its peak is below every budget, so it answers all 15 GPU models
+    assert qwen_result["predictions_run"] == 1
 
 
 def test_qwen_peaks_are_the_one_gpu_prediction(qwen_result):
@@ -182,11 +183,13 @@ def test_one_prediction_per_degree_and_budget(tmp_path):
     predictor = Predictor(2 * (DERIVED_BUDGETS[48] - NCCL))
     result = cheapest(rows, predictor, max_degree=8)
     assert sorted(predictor.calls) == sorted(set(predictor.calls))
-    # 48 GB (x, y, z): degrees 1, then 2 fits; 24 GB (w): 1, 2, 4, then 8 fits
-    assert sorted(predictor.calls) == [(1, DERIVED_BUDGETS[24]), (1, DERIVED_BUDGETS[48]),
-                                       (2, DERIVED_BUDGETS[24] - NCCL), (2, DERIVED_BUDGETS[48] - NCCL),
-                                       (4, DERIVED_BUDGETS[24] - NCCL), (8, DERIVED_BUDGETS[24] - NCCL)]
-    assert result["predictions_run"] == 6
+    # each degree tried once with no cap; a budget below that run's peak once more. 48 GB (x, y, z):
+    # degree 1 below the peak, 2 at or above it; 24 GB (w): 1, 2 and 4 below, 8 at or above
+    uncapped = forfait_fit.UNCAPPED_BUDGET_BYTES
+    assert predictor.calls == [(1, uncapped), (1, DERIVED_BUDGETS[48]), (2, uncapped),
+                               (1, DERIVED_BUDGETS[24]), (2, DERIVED_BUDGETS[24] - NCCL),
+                               (4, uncapped), (4, DERIVED_BUDGETS[24] - NCCL), (8, uncapped)]
+    assert result["predictions_run"] == 8
     assert [(r["gpu"], r["tensor_parallel"], r["lots"]) for r in result["rows"]] == [
         ("z", 2, 1), ("x", 2, 2), ("y", 2, 2), ("w", 8, 8)]  # 7, 10, 12 and 64 cents
 
@@ -287,3 +290,27 @@ def test_help_names_the_card_flags(capsys):
     assert status == 0
     for flag in ("--card", "--days", "--accepted-results", "--tariffs"):
         assert flag in out
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):
+    fifo = tmp_path / "card.csv"
+    os.mkfifo(fifo)
+    status, out, err = run(QWEN + ["--days", "7", "--tariffs", str(fifo)], capsys)
+    assert status == 2 and out == "" and "not a regular file" in err and err.count("\n") == 1
+
+
+def test_the_notebook_copy_gives_the_same_answer(tmp_path):
+    # the forfaits notebook's generated cells, up to forfait_fit's, run as one module
+    from lab_helpers import notebook_sync
+    code = notebook_sync.notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/forfait_fit.py")
+    path = tmp_path / "forfaits_cells.py"
+    path.write_text(code, encoding="utf-8")
+    cells = load_module(path)
+    rows = small_card(tmp_path, [("pair", 2, 48, 300), ("one", 1, 48, 200), ("tiny", 1, 8, 1)])
+    shape = load_config("llama-3.1-8b")
+    spec = real_model.RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
+    library = forfait_fit.cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
+    # (the copy's bundled configs are looked up next to its file: the shape is the library's)
+    notebook = cells.cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
+    assert notebook == library
+    assert cells.format_card_fit(notebook) == forfait_fit.format_card_fit(library)
