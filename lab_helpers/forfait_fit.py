@@ -17,7 +17,7 @@ from lab_helpers.calcul_forfaits import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MA
                                          is_illustrative, load_card, printable)
 from lab_helpers.mesure_memoire import LabError
 from lab_helpers.model_config import ConfigError, ModelShape, check_tensor_parallel
-from lab_helpers.real_model import MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree
+from lab_helpers.real_model import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree
 # <<< library only
 
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
@@ -28,14 +28,14 @@ CARD_MAX_DEGREE = 8
 # vendor's figures: NVIDIA publishes 141 GB for it, the card's memory_per_gpu_gib for h200-sxm.
 REFERENCE_GPU = "h200-sxm"
 REFERENCE_VENDOR_GB = 141
-# What NCCL holds outside the caching allocator on each rank once the communicator has run its first
-# collective, measured with torch.cuda.mem_get_info on two H200s at tensor parallel 2 (NCCL 2.28.9,
-# torch 2.11.0+cu130). At degree > 1 it is taken off every GPU's budget; other degrees and GPUs were
-# not measured (NCCL's buffers grow with the peers and depend on the interconnect).
-NCCL_OUTSIDE_ALLOCATOR_BYTES = 977272832
-NCCL_RULE = (f"at degree > 1 each rank's budget is the GPU's less {NCCL_OUTSIDE_ALLOCATOR_BYTES} bytes that "
-             "NCCL holds outside the allocator, measured on two H200s at tensor parallel 2; the same figure "
-             "is assumed at other degrees and on other GPUs (not measured there)")
+# What NCCL holds outside the caching allocator on each rank (real_model.MEASURED_NCCL_OUTSIDE, by GPU
+# and degree) is taken off every rank's budget at degree > 1. Where that GPU and degree were not
+# measured, the figure measured on two H200s at tensor parallel 2 is assumed: a budget left whole
+# would let the table pick a degree whose ranks NCCL then pushes out of memory.
+NCCL_REFERENCE = (REFERENCE_GPU, 2)
+NCCL_RULE = ("at degree > 1 each rank's budget is the GPU's less the bytes NCCL holds outside the allocator: "
+             "measured where real_model.MEASURED_NCCL_OUTSIDE has that GPU and degree, else the {nccl} bytes "
+             "measured on two H200s at tensor parallel 2, assumed, not measured there")
 # A budget no GPU reaches (1 PiB, real_model fit's largest --memory-bytes): a run "with no cap".
 UNCAPPED_BUDGET_BYTES = 2**50
 MEASURED = "measured"
@@ -79,9 +79,18 @@ def degree_problem(shape: ModelShape, degree: int):
     return None
 
 
-def rank_budget_bytes(gpu_budget: int, degree: int) -> int:
-    """What one rank's allocator may reserve at `degree` on a GPU of `gpu_budget` usable bytes."""
-    return gpu_budget if degree == 1 else gpu_budget - NCCL_OUTSIDE_ALLOCATOR_BYTES
+def nccl_outside_bytes(gpu: str, degree: int) -> tuple:
+    """(bytes, source) NCCL holds outside the allocator per rank of `gpu` at `degree` (0 at degree 1)."""
+    if degree == 1:
+        return 0, "no NCCL at degree 1"
+    if (gpu, degree) in MEASURED_NCCL_OUTSIDE:
+        return MEASURED_NCCL_OUTSIDE[(gpu, degree)][0], MEASURED
+    return MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0], f"assumed from {NCCL_REFERENCE[0]} at 2, not measured"
+
+
+def rank_budget_bytes(gpu: str, gpu_budget: int, degree: int) -> int:
+    """What one rank's allocator may reserve at `degree` on a `gpu` of `gpu_budget` usable bytes."""
+    return gpu_budget - nccl_outside_bytes(gpu, degree)[0]
 
 
 def check_request(days, accepted_results) -> None:
@@ -136,21 +145,22 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
     fitting, not_fitting = [], []
     for gpu, row in models.items():
         budget = gpu_budget_bytes(row)
-        found = next(((d, fits_once(d, rank_budget_bytes(budget["budget_bytes"], d))) for d in allowed
-                      if fits_once(d, rank_budget_bytes(budget["budget_bytes"], d))["fits"]), None)
+        found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed
+                      if fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))["fits"]), None)
         entry = {"gpu": gpu, "display_name": row["display_name"], "fits": found is not None,
                  "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget}
         if found is None:
             entry["reason"] = (f"does not fit at any allowed degree ({', '.join(map(str, allowed))})"
                                if allowed else "no allowed degree")
             if allowed:
-                last = fits_once(allowed[-1], rank_budget_bytes(budget["budget_bytes"], allowed[-1]))
+                last = fits_once(allowed[-1], rank_budget_bytes(gpu, budget["budget_bytes"], allowed[-1]))
                 if last.get("reason"):
                     entry["reason"] += f"; at {allowed[-1]}: {last['reason']}"
             not_fitting.append(entry)
             continue
         degree, point = found
-        rank_budget = rank_budget_bytes(budget["budget_bytes"], degree)
+        nccl, nccl_source = nccl_outside_bytes(gpu, degree)
+        rank_budget = budget["budget_bytes"] - nccl
         lots = math.ceil(degree / row["gpus_per_lot"])
         price = compute_forfait(rows, gpu, days, lots, accepted_results)
         entry.update({
@@ -158,7 +168,7 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
             "gpus": price["gpus"], "idle_gpus": price["gpus"] - degree,
             "peak_reserved_bytes": point["peak_reserved_bytes"],
             "peak_allocated_bytes": point["peak_allocated_bytes"],
-            "nccl_outside_allocator_bytes": budget["budget_bytes"] - rank_budget,
+            "nccl_outside_allocator_bytes": nccl, "nccl_source": nccl_source,
             "rank_budget_bytes": rank_budget,
             "headroom_bytes": rank_budget - point["peak_reserved_bytes"],
             "lot_price_cents": price["lot_price_cents"], "total_price_cents": price["total_price_cents"],
@@ -176,7 +186,7 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         "days": days, "accepted_results": accepted_results, "currency": rows[0]["currency"],
         "rate_card": printable(card_name), "snapshot_date": ", ".join(sorted({r["snapshot_date"] for r in rows})),
         "allowed_degrees": allowed, "refused_degrees": refused,
-        "degree_rule": DEGREE_RULE.format(high=max_degree), "nccl_rule": NCCL_RULE,
+        "degree_rule": DEGREE_RULE.format(high=max_degree), "nccl_rule": NCCL_RULE.format(nccl=MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0]),
         "memory_rule": {MEASURED: "real_model.MEASURED_USABLE: the usable memory of a fresh measuring "
                                   "process, measured on that GPU",
                         DERIVED: DERIVATION_RULE.format(usable=usable)},
@@ -260,6 +270,8 @@ def check_card_flags(args) -> None:
                                             ("--days", args.days)) if value is None]
         if missing:
             raise LabError(f"--card needs {' and '.join(missing)}")
+        if getattr(args, "tensor_parallel", 1) != 1:
+            raise LabError("--card finds the tensor-parallel degree itself: leave out --tensor-parallel")
         if args.tariffs == "":
             raise LabError("--tariffs: the path is empty")
         return

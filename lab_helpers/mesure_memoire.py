@@ -1115,6 +1115,311 @@ def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> 
     }
 
 
+# ----------------------------------------------------------------- tensor parallel
+# One measuring process per GPU, started by torchrun (torch.distributed's launcher); the lab adds
+# no launcher of its own. Names other measuring commands use: launch_info, LaunchInfo,
+# TensorParallelRun.
+MAX_TENSOR_PARALLEL = 64
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Where torchrun's store lives; read to publish a failure to every rank.
+STORE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+                   "TORCHELASTIC_RESTART_COUNT")
+MAX_LAUNCHER_NUMBER = 2**31 - 1
+# Every wait between ranks is bounded. A rank that dies is seen by torchrun at once, which stops the
+# others; a rank that hangs holds the others at most this long in a collective or in gather.
+COORDINATION_TIMEOUT_SECONDS = 300
+MONITOR_INTERVAL_SECONDS = 0.1
+FAILURE_ACK_SECONDS = 20  # a failing rank waits this long for every rank to print the line
+ABORT_WAIT_SECONDS = 10  # aborting a communicator can itself block on a broken peer
+STORE_LOST_SECONDS = 30  # the monitor gives up on a store it cannot reach for this long
+
+
+def launcher_environment() -> dict:
+    """torchrun's variables (LAUNCHER_VARIABLES and STORE_VARIABLES) that are set, by name: the only
+    environment variables the lab reads, and only for a tensor-parallel run."""
+    return {name: os.environ[name] for name in (*LAUNCHER_VARIABLES, *STORE_VARIABLES) if name in os.environ}
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """This process's place among the ranks, as torchrun set it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def device(self) -> str:
+        """The GPU of this rank: cuda:LOCAL_RANK (torchrun starts one process per GPU of a machine)."""
+        return f"cuda:{self.local_rank}"
+
+
+def launcher_command(tensor_parallel: int, command) -> str:
+    """The torchrun command line that runs `command` at `tensor_parallel` ranks on one machine.
+    `command` is what follows torchrun's own flags (`-m lab_helpers.mesure_memoire measure ...`), as
+    a string or as an argv list (quoted for a POSIX shell)."""
+    import shlex
+    tail = command if isinstance(command, str) else shlex.join(str(part) for part in command)
+    return f"torchrun --nproc-per-node {tensor_parallel} {tail}"
+
+
+def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
+    """Read this rank's place from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE) and check it against `tensor_parallel` and the GPUs torch sees. LabError (one
+    line) when no launcher started this process (the message holds the torchrun command built from
+    `command`, see launcher_command), when a variable is missing or not a whole number, when
+    WORLD_SIZE differs from `tensor_parallel`, when a rank is out of range, or when this machine runs
+    more ranks than it has visible GPUs. `environ` replaces launcher_environment() (for tests)."""
+    parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+    env = launcher_environment() if environ is None else environ
+    run_it = launcher_command(tensor_parallel, command)
+    present = [name for name in LAUNCHER_VARIABLES if name in env]
+    if not present:
+        raise LabError(f"--tensor-parallel {tensor_parallel} runs one process per GPU, started by torchrun; "
+                       f"run: {run_it}")
+    values = {}
+    for name in LAUNCHER_VARIABLES:
+        if name not in env:
+            raise LabError(f"the launcher's environment is incomplete: {name} is not set "
+                           f"(start the command with torchrun: {run_it})")
+        values[name] = parse_whole(env[name], f"the launcher's {name}", 0, MAX_LAUNCHER_NUMBER)
+    info = LaunchInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+    if info.world_size != tensor_parallel:
+        raise LabError(f"--tensor-parallel {tensor_parallel} disagrees with the launcher's world size "
+                       f"{info.world_size} (WORLD_SIZE): the degree is the number of ranks; run: {run_it}")
+    if info.rank >= info.world_size:
+        raise LabError(f"the launcher's RANK {info.rank} is not below its WORLD_SIZE {info.world_size}")
+    if not 1 <= info.local_world_size <= info.world_size:
+        raise LabError(f"the launcher's LOCAL_WORLD_SIZE {info.local_world_size} is not between 1 and "
+                       f"its WORLD_SIZE {info.world_size}")
+    if info.local_rank >= info.local_world_size:
+        raise LabError(f"the launcher's LOCAL_RANK {info.local_rank} is not below its LOCAL_WORLD_SIZE "
+                       f"{info.local_world_size}")
+    torch = _import_torch()
+    try:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:  # a broken driver reads as no device, with its reason
+        raise LabError(f"no CUDA device is usable by torch ({_safe_reason(exc)})") from None
+    if visible == 0:
+        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
+                       "per rank and never falls back to the CPU")
+    if info.local_world_size > visible:
+        raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
+                       "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")
+    return info
+
+
+class TensorParallelRun:
+    """The distributed side of one measuring process among N (a context manager).
+
+    On enter: reads the device's free memory and the allocator's reserved bytes, starts the NCCL
+    process group (``init_process_group("nccl", device_id=device)``) and a gloo group that carries
+    the lab's own messages (never NCCL, so the caching allocator sees none of them), makes the NCCL
+    communicators exist with one all-reduce of a tiny tensor, releases it and empties the cache, so
+    every phase starts from an empty allocator, then reads free memory again. ``outside_allocator``
+    = {before_bytes, after_bytes, nccl_outside_allocator_bytes}: the drop in free memory less the
+    growth of reserved, what NCCL holds outside PyTorch's allocator (None on a CPU device).
+
+    A rank that fails calls ``fail(error)``: the failure {rank, phase, message} goes to torchrun's
+    store; every rank's monitor thread sees it, aborts its communicator (a rank blocked in a
+    collective must not hang), prints one line ``PROG: error: rank R failed in phase P: ...; no file
+    written`` on stderr and ends with the same exit code. On exit the groups are destroyed.
+    `backend` and `timeout_seconds` exist for tests on the CPU (gloo)."""
+
+    def __init__(self, info: LaunchInfo, device, prog: str = "mesure_memoire", *, backend=None,
+                 timeout_seconds: float = COORDINATION_TIMEOUT_SECONDS, environ=None):
+        torch = _import_torch()
+        self.info = info
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = torch.device(device)
+        self.prog = prog
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.timeout_seconds = timeout_seconds
+        self.group = None
+        self.outside_allocator = None
+        self._environ = launcher_environment() if environ is None else environ
+        self._gloo = None
+        self._store = None
+        self._store_lock = None
+        self._stopped = None
+        self._monitor = None
+        self._ending = None
+
+    # ---- the store: failures and acknowledgements
+    def _connect(self, master: bool):
+        import datetime
+        import torch.distributed as dist
+        host = self._environ.get("MASTER_ADDR")
+        port = self._environ.get("MASTER_PORT")
+        if not host or port is None:
+            raise LabError("the launcher's environment lacks MASTER_ADDR or MASTER_PORT; start the command "
+                           "with torchrun")
+        port = parse_whole(port, "the launcher's MASTER_PORT", 1, 65535)
+        return dist.TCPStore(host, port, self.world_size if master else None, is_master=master,
+                             timeout=datetime.timedelta(seconds=self.timeout_seconds), wait_for_workers=False)
+
+    def _key(self, name: str) -> str:
+        run_id = self._environ.get("TORCHELASTIC_RUN_ID", "")
+        restart = self._environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return f"iteragpu-lab/{run_id}/{restart}/{name}"
+
+    def __enter__(self):
+        import datetime
+        import threading
+        import torch
+        import torch.distributed as dist
+        # torchrun's agent hosts the store; launched otherwise (env:// by hand), rank 0 hosts it
+        agent = self._environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self._store = self._connect(master=not agent and self.rank == 0)
+        group_store = self._connect(master=False)  # its own connection: the monitor thread uses the first
+        self._store_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._ending = threading.Lock()
+        self._monitor = threading.Thread(target=self._watch, name="iteragpu-lab failure monitor", daemon=True)
+        self._monitor.start()
+        cuda = self.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.set_device(self.device)
+                torch.cuda.synchronize(self.device)
+                free_before = int(torch.cuda.mem_get_info(self.device)[0])
+                reserved_before = torch.cuda.memory_reserved(self.device)
+            timeout = datetime.timedelta(seconds=self.timeout_seconds)
+            dist.init_process_group(self.backend, store=dist.PrefixStore(self._key("group"), group_store),
+                                    rank=self.rank, world_size=self.world_size, timeout=timeout,
+                                    device_id=self.device if cuda else None)
+            self.group = dist.group.WORLD
+            self._gloo = self.group if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+            # communicators are made lazily: one collective makes them exist before any phase
+            tiny = torch.ones(1, device=self.device)
+            dist.all_reduce(tiny, group=self.group)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            del tiny
+            dist.barrier(group=self._gloo)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize(self.device)
+                free_after = int(torch.cuda.mem_get_info(self.device)[0])
+                reserved_after = torch.cuda.memory_reserved(self.device)
+                self.outside_allocator = {
+                    "label": "outside PyTorch's caching allocator: device free memory before and after the "
+                             "process group and its communicators exist, less the allocator's reserved growth",
+                    "before_bytes": free_before, "after_bytes": free_after,
+                    "nccl_outside_allocator_bytes": (free_before - free_after) - (reserved_after - reserved_before),
+                }
+        except LabError:
+            raise
+        except Exception as exc:
+            self.fail(exc, phase="process group setup")
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        import torch.distributed as dist
+        if exc is not None and isinstance(exc, Exception):
+            self.fail(exc)  # does not return: every rank ends with the same line and code
+        self._stopped.set()
+        self._monitor.join(timeout=MONITOR_INTERVAL_SECONDS * 20)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return False
+
+    def gather(self, obj):
+        """Every rank's picklable `obj`, in rank order, on rank 0 (None on the others), over gloo."""
+        import torch.distributed as dist
+        received = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, received, dst=0, group=self._gloo)
+        return received
+
+    def broadcast(self, obj):
+        """Rank 0's picklable `obj` on every rank, over gloo (`obj` is ignored on the others)."""
+        import torch.distributed as dist
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._gloo)
+        return box[0]
+
+    # ---- failure
+    def fail(self, error, phase=None):
+        """Publish this rank's failure to every rank, print the one line and end the process with
+        the failure's exit code (EXIT_USAGE for a LabError, EXIT_PHASE otherwise). Never returns.
+        When another rank failed first, its failure is the one every rank reports."""
+        phase = phase if phase is not None else getattr(error, "phase", None)
+        if isinstance(error, PhaseError):
+            message = error.message
+        elif isinstance(error, LabError):
+            message = str(error)
+        else:
+            message = _safe_reason(error)
+        failure = {"rank": self.rank, "phase": phase, "message": message,
+                   "exit_code": EXIT_USAGE if isinstance(error, LabError) else EXIT_PHASE}
+        try:
+            with self._store_lock:
+                # the first failure published wins: every rank then prints the same line
+                stored = self._store.compare_set(self._key("failure"), "", json.dumps(failure))
+            failure = json.loads(stored)
+        except Exception:  # the store is gone: report this rank's own failure
+            pass
+        self._end(failure)
+
+    def failure_line(self, failure: dict) -> str:
+        """The one line every rank prints for a published failure."""
+        where = f"in phase {failure['phase']}" if failure.get("phase") else "outside the measured phases"
+        return f"{self.prog}: error: rank {failure['rank']} failed {where}: {failure['message']}; no file written"
+
+    def _end(self, failure: dict):
+        import threading
+        self._ending.acquire()  # once per process: a second caller waits for the exit below
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        print(self.failure_line(failure), file=sys.stderr, flush=True)
+        aborting = threading.Thread(target=self._abort, daemon=True)
+        aborting.start()
+        aborting.join(ABORT_WAIT_SECONDS)
+        try:  # every rank prints before any exits: torchrun stops the others when the first one ends
+            with self._store_lock:
+                self._store.add(self._key("failure-ack"), 1)
+            deadline = time.monotonic() + FAILURE_ACK_SECONDS
+            while time.monotonic() < deadline:
+                with self._store_lock:
+                    if self._store.add(self._key("failure-ack"), 0) >= self.world_size:
+                        break
+                time.sleep(MONITOR_INTERVAL_SECONDS)
+        except Exception:
+            pass
+        os._exit(failure.get("exit_code", EXIT_PHASE))
+
+    def _abort(self):
+        try:
+            if self.group is not None and hasattr(self.group, "abort"):
+                self.group.abort()
+        except Exception:  # gloo or an older torch cannot abort: the exit below ends the process
+            pass
+
+    def _watch(self):
+        key = self._key("failure")
+        lost_since = None
+        while not self._stopped.is_set():
+            try:
+                with self._store_lock:
+                    found = self._store.check([key])
+                    stored = self._store.get(key) if found else None
+                lost_since = None
+            except Exception:
+                if self._stopped.is_set():
+                    return
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > STORE_LOST_SECONDS:
+                    self._end({"rank": self.rank, "phase": None, "exit_code": EXIT_PHASE,
+                               "message": "lost contact with the launcher's store"})
+                stored = None
+            if stored:
+                self._end(json.loads(stored))
+            self._stopped.wait(MONITOR_INTERVAL_SECONDS)
+
+
 def new_file_name(folder, stem: str, suffix: str = ".json") -> Path:
     """Return a path in `folder` named after `stem` and the time that no file takes yet."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

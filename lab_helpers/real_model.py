@@ -21,10 +21,10 @@ from pathlib import Path
 from lab_helpers.calcul_forfaits import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, ForfaitError, load_card
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
                                        WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
-                                       PhaseError, add_timeline_flags, check_new_output, display_path,
-                                       environment, parse_device, read_json_file, run_phase, save_oom_snapshot,
-                                       timeline_recorder, usable_memory, whole_number, write_new_json,
-                                       write_timeline, quiet_broken_pipe)
+                                       PhaseError, TensorParallelRun, add_timeline_flags, check_new_output,
+                                       display_path, environment, launch_info, parse_device, read_json_file,
+                                       run_phase, save_oom_snapshot, timeline_recorder, usable_memory,
+                                       whole_number, write_new_json, write_timeline, quiet_broken_pipe)
 from lab_helpers.model_config import (DTYPE_BYTES, MAX_TENSOR_PARALLEL, ConfigError, ModelShape, bundled_names,
                                       check_tensor_parallel, load_config, parse_config)
 # <<< library only
@@ -164,16 +164,20 @@ def _tensor_parallel_skeleton(hf_config, dtype, mesh):
     return apply_tensor_parallelism(model, mesh)
 
 
-def _materialise_local_shards(model, device, std: float):
+def _materialise_local_shards(model, device, std: float, seed: int, rank: int):
     """Give every parameter and buffer of a meta skeleton this rank's local memory on `device`.
 
     Parameters in named_modules order, each allocated at its local (sharded) shape and
     initialised in place as transformers' _init_weights does (normal for projections and
     embeddings, zeros for biases, ones for norms), so the full weights never exist on one
     GPU. Buffers (the rotary frequencies, float32) are computed on the CPU by a fresh module
-    of the same class and copied to the device, one allocation each."""
+    of the same class and copied to the device, one allocation each. Whole tensors draw from
+    the global generator (seeded with `seed`: equal on every rank, as they must be); shards
+    from a generator of this rank's own, so that the ranks' shards differ."""
     import torch
     from torch.distributed.tensor import DTensor
+    # a generator holds its state on the host: the caching allocator sees nothing of it
+    shards = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed + 1 + rank)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             shard = param.to_local() if isinstance(param, DTensor) else param
@@ -182,7 +186,7 @@ def _materialise_local_shards(model, device, std: float):
                 if name == "bias":
                     local.zero_()
                 elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    local.normal_(0.0, std)
+                    local.normal_(0.0, std, generator=shards if isinstance(param, DTensor) else None)
                 else:
                     local.fill_(1.0)
             if isinstance(param, DTensor):
@@ -223,7 +227,8 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     def load_model():
         torch.manual_seed(spec.seed)
         if skeleton is not None:
-            _materialise_local_shards(skeleton, device, hf_config.initializer_range)
+            _materialise_local_shards(skeleton, device, hf_config.initializer_range, spec.seed,
+                                      mesh.get_local_rank())
             state["model"] = skeleton.eval()
             return state["model"]
         with torch.device(device), _weight_init_on_meta(device):
@@ -342,6 +347,73 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
         "model": model_description(shape, spec.dtype),
         "phases": phases,
     }
+
+
+def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "Path | None" = None) -> "dict | None":
+    """Measure one rank of a tensor-parallel run started by torchrun (spec.tensor_parallel ranks).
+
+    Every rank measures its phases on cuda:LOCAL_RANK exactly as one GPU does; rank 0 gathers
+    every rank's records (over gloo, after every rank finished) and, with `output`, creates the one
+    result file. Returns the document on rank 0, None on the others. A failure on any rank ends
+    every rank with the same exit code and one line (mesure_memoire.TensorParallelRun); no file is
+    written. `command` is the argv given, to say how to launch it when no launcher did."""
+    spec.checked()
+    check_degree(shape, spec.tensor_parallel)
+    info = launch_info(spec.tensor_parallel, command)  # LabError before torch touches a GPU
+    try:
+        import torch
+        import transformers  # noqa: F401
+        from torch.distributed.device_mesh import DeviceMesh
+    except Exception as exc:
+        raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+    spec = replace(spec, device=info.device)
+    device = _check_cuda(torch, spec)
+    torch.cuda.init()
+    with TensorParallelRun(info, device, prog="real_model") as run:
+        if run.rank == 0 and output is not None:
+            try:
+                check_new_output(output)  # before minutes of loading, on every rank's behalf
+            except LabError as exc:
+                run.fail(exc)
+        env = environment(spec.device, usable_memory_figure=False)
+        phases = []
+
+        def phase(name, action, index, recorded):
+            failed_as = name if index is None else f"{name} {index}"
+            try:
+                if not recorded:
+                    action()
+                    return
+                record, _ = run_phase(torch, device, name, action, index,
+                                      1 if name in ("prefill", "decode") else 0, None, failed_as)
+            except RuntimeError as exc:
+                raise PhaseError(failed_as, exc) from None
+            phases.append(record)
+
+        try:
+            run_protocol(shape, spec, device, phase, mesh=DeviceMesh.from_group(run.group, "cuda"))
+        except (PhaseError, LabError) as exc:
+            run.fail(exc)
+        mine = {"rank": run.rank, "device": spec.device, "device_name": env.get("device_name"),
+                "outside_allocator": run.outside_allocator, "phases": phases}
+        ranks = run.gather((mine, env))
+        document = None
+        if run.rank == 0:
+            document = {
+                "schema_version": SCHEMA_VERSION,
+                "kind": "iteragpu-lab measurement",
+                "environment": env,
+                "configuration": _configuration(spec),  # rank 0's device
+                "model": model_description(shape, spec.dtype),
+                "ranks": [record for record, _ in ranks],
+            }
+            if output is not None:
+                try:
+                    write_new_json(output, document)
+                except LabError as exc:
+                    run.fail(exc)
+        run.broadcast(None)  # every rank ends after the file exists
+    return document
 
 
 def _timeline_labels(alive: dict) -> dict:
@@ -548,29 +620,41 @@ def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weig
 
 # ----------------------------------------------------------------- compare
 def compare_model(measurement: dict) -> dict:
-    """A measurement beside its prediction, phase by phase; differences are measured - predicted."""
+    """A measurement beside its prediction, phase by phase (every rank's at tensor parallel N);
+    differences are measured - predicted."""
     try:
         configuration = dict(measurement["configuration"])
         if configuration.pop("kind") != "transformers":
             raise KeyError("kind")
         spec = RunSpec(**configuration).checked()
         shape = parse_config(measurement["model"]["config"], spec.config_name)
-        measured = measurement["phases"]
-        [[m[k] for k in COUNTER_KEYS] for m in measured]
+        if spec.tensor_parallel == 1:
+            measured_ranks = [(None, measurement["phases"])]
+        else:
+            listed = measurement["ranks"]
+            if [r["rank"] for r in listed] != list(range(spec.tensor_parallel)):
+                raise ValueError(f"ranks must be 0 to {spec.tensor_parallel - 1}, each once, in order")
+            measured_ranks = [(r["rank"], r["phases"]) for r in listed]
+        for _, measured in measured_ranks:
+            [[m[k] for k in COUNTER_KEYS] for m in measured]
     except (KeyError, TypeError, ValueError) as exc:
         raise LabError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
     prediction = predict_model(shape, spec)
-    predicted = prediction["phases"]
-    if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
-        raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
+    predicted_ranks = ([prediction["phases"]] if spec.tensor_parallel == 1 else
+                       [r["phases"] for r in prediction["ranks"]])
     rows = []
-    for got, want in zip(measured, predicted):
-        row = {"phase": got["phase"], "index": got["index"]}
-        for key in COUNTER_KEYS:
-            row[f"measured_{key}"] = got[key]
-            row[f"predicted_{key}"] = want[key]
-            row[f"difference_{key}"] = got[key] - want[key]
-        rows.append(row)
+    for (rank, measured), predicted in zip(measured_ranks, predicted_ranks):
+        if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
+            raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
+        for got, want in zip(measured, predicted):
+            row = {"phase": got["phase"], "index": got["index"]}
+            if rank is not None:
+                row = {"rank": rank, **row}
+            for key in COUNTER_KEYS:
+                row[f"measured_{key}"] = got[key]
+                row[f"predicted_{key}"] = want[key]
+                row[f"difference_{key}"] = got[key] - want[key]
+            rows.append(row)
 
     def worst(counter):
         return max((abs(r[f"difference_{counter}"]) / r[f"measured_{counter}"] for r in rows
@@ -585,6 +669,9 @@ def compare_model(measurement: dict) -> dict:
         "allocated_exact": all(r[f"difference_{k}"] == 0 for r in rows for k in COUNTER_KEYS if "allocated" in k and "peak" not in k),
         "peak_allocated_worst_relative": worst("peak_allocated_bytes"),
         "peak_reserved_worst_relative": worst("peak_reserved_bytes"),
+        **({"tensor_parallel": spec.tensor_parallel, "nccl_outside_allocator_bytes": [
+            (r.get("outside_allocator") or {}).get("nccl_outside_allocator_bytes") for r in measurement["ranks"]]}
+           if spec.tensor_parallel > 1 else {}),
         "rows": rows,
     }
 
@@ -637,23 +724,43 @@ def usable_memory_bytes(device: str = "cuda:0") -> int:
     return answer["usable_memory_bytes"]
 
 
-def gpu_budget(gpu: str, tariffs=None) -> tuple:
+# What NCCL holds outside PyTorch's allocator per rank once its communicator has run a first
+# collective (as TensorParallelRun leaves it before the first phase): free memory before the
+# process group less free memory after, with the allocator empty. (model_id, degree) -> bytes, where.
+MEASURED_NCCL_OUTSIDE = {
+    ("h200-sxm", 2): (977272832, "2 x NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130, NCCL 2.28.9"),
+}
+
+
+def gpu_budget(gpu: str, tariffs=None, tensor_parallel: int = 1) -> tuple:
     """(bytes, source) of a rate-card GPU: the measured usable figure where the lab has one,
     else the vendor's "GB" figure read as 10^9 bytes (an upper bound: the CUDA context and
-    the libraries take some of it)."""
+    the libraries take some of it). At tensor parallel N > 1, one rank's budget: less NCCL's
+    bytes outside the allocator where they were measured on that GPU at that degree; where
+    not, nothing is subtracted and the source says so."""
     if gpu in MEASURED_USABLE:
         value, where = MEASURED_USABLE[gpu]
-        return value, f"measured usable memory of a fresh measuring process ({where})"
-    try:
-        rows = load_card(tariffs or RATE_CARD_PATH)
-    except ForfaitError as exc:
-        raise LabError(str(exc)) from None
-    found = [row for row in rows if row["model_id"] == gpu]
-    if not found:
-        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
-    gb = found[0]["memory_per_gpu_gib"]
-    return gb * 10**9, (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
-                        f"the CUDA context and libraries take part of it")
+        source = f"measured usable memory of a fresh measuring process ({where})"
+    else:
+        try:
+            rows = load_card(tariffs or RATE_CARD_PATH)
+        except ForfaitError as exc:
+            raise LabError(str(exc)) from None
+        found = [row for row in rows if row["model_id"] == gpu]
+        if not found:
+            raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+        gb = found[0]["memory_per_gpu_gib"]
+        value = gb * 10**9
+        source = (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
+                  f"the CUDA context and libraries take part of it")
+    if tensor_parallel == 1:
+        return value, source
+    if (gpu, tensor_parallel) in MEASURED_NCCL_OUTSIDE:
+        nccl, where = MEASURED_NCCL_OUTSIDE[(gpu, tensor_parallel)]
+        return value - nccl, (f"{source}, less {nccl} bytes NCCL holds outside the allocator per rank at "
+                              f"tensor parallel {tensor_parallel} (measured: {where})")
+    return value, (f"{source}; NCCL's memory outside the allocator at tensor parallel {tensor_parallel} is not "
+                   f"measured on {gpu}: not subtracted, so the budget per rank is an upper bound")
 
 
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
@@ -719,21 +826,37 @@ def _largest(fits, high: int) -> int:
 
 
 def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
-        batch=None, context=None, progress=None) -> dict:
-    """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`."""
+        batch=None, context=None, progress=None, tensor_parallel: int = 1) -> dict:
+    """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`.
+
+    At tensor parallel N the budget is one GPU's (what one rank may reserve) and the search runs
+    on rank 0: N divides every size the plan splits (checked), so each rank's local shapes are
+    the same and the collectives symmetric; a rank's number reaches no size of this protocol, so
+    every rank's trace is rank 0's (predict runs them all, and the tests compare them)."""
     if batch is None and context is None:
         raise LabError("give --batch, --context or both")
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
     base = RunSpec(shape.name, dtype=dtype, batch=batch or 1, context=context or 1, new_tokens=new_tokens,
-                   decode_record_every=new_tokens).checked()
+                   decode_record_every=new_tokens, tensor_parallel=tensor_parallel).checked()
+    check_degree(shape, tensor_parallel)
+    if tensor_parallel == 1:
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None)
+    with fake_process_group(0, tensor_parallel) as mesh:
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh)
+
+
+def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_source: str, batch, context,
+                progress, mesh) -> dict:
+    dtype, new_tokens, degree = base.dtype, base.new_tokens, base.tensor_parallel
+    local = replace(shape, kv_heads=shape.kv_heads // degree)  # one rank's key/value heads
     context_limit = MAX_CONTEXT - new_tokens
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
     cache, predictions = {}, []
     OutOfMemory = _tracing().OutOfMemory
     try:
-        loaded = load_for_prediction(shape, dtype, budget_bytes)
+        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh)
     except OutOfMemory:
         loaded = None  # the weights alone do not fit
 
@@ -741,7 +864,7 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
         # the weights and the full KV cache are both allocated at the end of the last decode step:
         # beyond the budget, the run cannot fit, whatever the allocator does (no prediction needed)
         return (b * (t + new_tokens) <= MAX_TOKENS and
-                loaded["weights_bytes"] + shape.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
+                loaded["weights_bytes"] + local.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
 
     def fits(b, t):
         if (b, t) not in cache:
@@ -756,6 +879,7 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
 
     result = {
         "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
+        **({"tensor_parallel": degree, "budget_per": "rank (one GPU)"} if degree > 1 else {}),
         "budget_bytes": budget_bytes, "budget_source": budget_source,
         "criterion": ("the run fits when the replayed allocator never needs more than the budget, "
                       "after releasing its wholly free cached segments as PyTorch does before an "
@@ -768,6 +892,7 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
                        "peak_reserved_bytes": point.get("peak_reserved_bytes"),
                        "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
     if batch is not None:
+        result["batch"] = batch  # the table names it
         result["largest_context_at_batch"] = _largest(lambda t: fits(batch, t), context_limit)
         result["context_bound"] = context_limit
     if context is not None:
@@ -775,6 +900,7 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
             raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                            f"minus {new_tokens} new tokens")
         high = min(MAX_BATCH, MAX_TOKENS // (context + new_tokens))
+        result["context"] = context
         result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
     result["weights_fit"] = loaded is not None
     result["predictions_run"] = len(predictions)
@@ -793,6 +919,9 @@ def _run_flags(parser, sizes_required=True) -> None:
                         help="prompt tokens per sequence")
     parser.add_argument("--new-tokens", type=whole_number(1, MAX_NEW_TOKENS), required=True,
                         help="decode steps after the prefill, one greedy token each")
+    parser.add_argument("--tensor-parallel", type=whole_number(1, MAX_TENSOR_PARALLEL), default=1, metavar="N",
+                        help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
+                             "per rank (default 1: one GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -809,7 +938,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="measure every phase on a CUDA GPU (never the CPU)")
     _run_flags(p)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_NEW_TOKENS), default=1, metavar="K", help=every)
-    p.add_argument("--device", default="cuda:0", help="an explicit cuda:N (default cuda:0)")
+    p.add_argument("--device", default=None,
+                   help="an explicit cuda:N (default cuda:0); at --tensor-parallel N > 1 each rank uses "
+                        "cuda:LOCAL_RANK, set by torchrun")
     p.add_argument("--seed", type=whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
     p.add_argument("--output", required=True, help="new JSON file, created after the last phase; never overwritten")
     add_timeline_flags(p)
@@ -822,6 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
     budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
     p.add_argument("--device", default="cuda:0", help="without --gpu or --memory-bytes: the GPU whose usable memory is measured (default cuda:0)")
+    # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
     p.add_argument("--card", action="store_true",
                    help="the buyer's question: for every GPU model of the rate card, the smallest tensor-parallel "
                         "degree that fits, the lots it needs and their price for --days, sorted by price; needs "
@@ -861,15 +993,22 @@ def format_table(command: str, result: dict) -> str:
     if command == "predict":
         head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
                 f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
-        rows = [{**r, **r["bytes_at_end"]} for r in result["phases"]]
-        return head + _table(rows, ["phase", "index", "end_allocated_bytes", "peak_allocated_bytes",
-                                    "end_reserved_bytes", "peak_reserved_bytes", "weights_bytes",
-                                    "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
+        if "ranks" in result:
+            head += f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)\n"
+            rows = [{"rank": rank["rank"], **r, **r["bytes_at_end"]} for rank in result["ranks"] for r in rank["phases"]]
+        else:
+            rows = [{**r, **r["bytes_at_end"]} for r in result["phases"]]
+        return head + _table(rows, (["rank"] if "ranks" in result else []) + [
+            "phase", "index", "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes",
+            "weights_bytes", "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
     if command == "compare":
-        cols = ["phase", "index"] + [f"difference_{k}" for k in COUNTER_KEYS]
+        cols = (["rank"] if "tensor_parallel" in result else []) + ["phase", "index"] + [
+            f"difference_{k}" for k in COUNTER_KEYS]
         return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
                 + _table(result["rows"], cols))
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
+    if "tensor_parallel" in result:
+        lines.append(f"tensor parallel {result['tensor_parallel']}: the budget and every figure are one rank's")
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
                      f"{'fits' if result['fits'] else 'does NOT fit'}"
@@ -882,8 +1021,9 @@ def format_table(command: str, result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_command(args) -> dict:
-    """Execute one parsed command and return its JSON-ready result."""
+def run_command(args, argv=None) -> dict:
+    """Execute one parsed command and return its JSON-ready result (None on a tensor-parallel
+    measuring rank other than 0). `argv`: the arguments given, for the launcher hint."""
     if args.command == "compare":
         document = read_json_file(args.measurement)  # bounded size and depth; a FIFO or folder refused
         if not isinstance(document, dict):
@@ -897,20 +1037,41 @@ def run_command(args) -> dict:
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens).checked()
         return _card_fit().card_fit(shape, spec, args.days, args.accepted_results, args.tariffs)
     if args.command == "fit":
+        degree = args.tensor_parallel
+        check_degree(shape, degree)
         if args.gpu:
-            budget, source = gpu_budget(args.gpu)
+            budget, source = gpu_budget(args.gpu, tensor_parallel=degree)
         elif args.memory_bytes:
             budget, source = args.memory_bytes, "given with --memory-bytes"
         else:
             budget = usable_memory_bytes(args.device)
             source = f"usable memory of {args.device}, measured now in a fresh child process"
-        return fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context)
+            if degree > 1:
+                source += ("; NCCL's memory outside the allocator is not subtracted, so the budget per rank "
+                           "is an upper bound")
+        return fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context,
+                         tensor_parallel=degree)
+    degree = args.tensor_parallel
+    check_degree(shape, degree)
+    measuring = args.command == "measure"
+    if measuring and degree > 1:
+        if args.device is not None:
+            raise LabError("--device is set by the launcher at --tensor-parallel > 1: rank R uses cuda:LOCAL_RANK")
+        if args.timeline is not None:
+            raise LabError("--timeline records one GPU's allocator: not available at --tensor-parallel > 1")
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
-                   new_tokens=args.new_tokens, decode_record_every=args.decode_record_every,
-                   **({"device": args.device, "seed": args.seed} if args.command == "measure" else {})).checked()
+                   new_tokens=args.new_tokens, decode_record_every=args.decode_record_every, tensor_parallel=degree,
+                   **({"device": args.device or "cuda:0", "seed": args.seed} if measuring else {})).checked()
     if args.command == "predict":
         return predict_model(shape, spec)
     output = Path(args.output)
+    if degree > 1:
+        command = ["-m", "lab_helpers.real_model", *(sys.argv[1:] if argv is None else argv)]
+        document = measure_model_parallel(shape, spec, command, output)
+        if document is None:
+            return None
+        return {"output": str(output), "ranks": len(document["ranks"]),
+                "phases": len(document["ranks"][0]["phases"])}
     check_new_output(output)  # before the model is built, not after minutes of work
     history = timeline_recorder(args, {"--output": args.output})
     document = measure_model(shape, spec, history)
@@ -926,7 +1087,7 @@ def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        result = run_command(args)
+        result = run_command(args, argv)
     except LabError as exc:
         print(f"real_model: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -934,6 +1095,8 @@ def main(argv=None) -> int:
         note = save_oom_snapshot(args.timeline, exc) if getattr(args, "timeline", None) is not None else ""
         print(f"real_model: error: {exc}; no file written{note}", file=sys.stderr)
         return EXIT_PHASE
+    if result is None:  # a measuring rank other than 0: rank 0 reports
+        return EXIT_OK
     if getattr(args, "format", "json") == "table":
         print(format_table(args.command, result))
     else:

@@ -112,7 +112,7 @@ def small_card(tmp_path, models):
     return load_card(path)
 
 
-NCCL = forfait_fit.NCCL_OUTSIDE_ALLOCATOR_BYTES
+NCCL = 977272832  # per rank, measured on two H200s at tensor parallel 2 (real_model.MEASURED_NCCL_OUTSIDE)
 
 
 class Predictor:
@@ -154,6 +154,7 @@ def test_sorted_by_price_then_fewer_gpus_then_model_id(tmp_path):
     assert (aa["budget_bytes"], aa["nccl_outside_allocator_bytes"], aa["rank_budget_bytes"]) == (
         DERIVED_BUDGETS[48], NCCL, DERIVED_BUDGETS[48] - NCCL)
     assert aa["headroom_bytes"] == DERIVED_BUDGETS[48] - NCCL - (-(-need // 2))
+    assert aa["nccl_source"] == "assumed from h200-sxm at 2, not measured"
     assert (result["rows"][0]["nccl_outside_allocator_bytes"], result["rows"][0]["idle_gpus"]) == (0, 0)
     last = result["rows"][-1]
     assert (last["gpu"], last["fits"]) == ("cheap", False)
@@ -229,6 +230,7 @@ HOSTILE = [
     (["--days", "7", "--gpu", "h200-sxm"], "give neither --gpu nor --memory-bytes"),
     (["--days", "7", "--memory-bytes", "1000"], "give neither --gpu nor --memory-bytes"),
     ([], "--card needs --days"),
+    (["--days", "7", "--tensor-parallel", "2"], "--card finds the tensor-parallel degree itself"),
     (["--days", "7", "--tariffs", ""], "--tariffs: the path is empty"),
     (["--days", "7", "--tariffs", "no-such-card.csv"], "no-such-card.csv: cannot read the rate card"),
 ]
@@ -314,3 +316,16 @@ def test_the_notebook_copy_gives_the_same_answer(tmp_path):
     notebook = cells.cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
     assert notebook == library
     assert cells.format_card_fit(notebook) == forfait_fit.format_card_fit(library)
+
+
+def test_nccl_bytes_measured_on_the_h200_at_two(tmp_path):
+    assert real_model.MEASURED_NCCL_OUTSIDE[("h200-sxm", 2)][0] == NCCL
+    rows = small_card(tmp_path, [("h200-sxm", 1, 141, 900), ("h100-sxm", 1, 80, 400)])
+    # more than one H200 holds: both need 2 GPUs
+    result = cheapest(rows, Predictor(H200_USABLE + 1))
+    by_gpu = {r["gpu"]: r for r in result["rows"]}
+    assert (by_gpu["h200-sxm"]["tensor_parallel"], by_gpu["h200-sxm"]["nccl_source"],
+            by_gpu["h200-sxm"]["rank_budget_bytes"]) == (2, "measured", H200_USABLE - NCCL)
+    assert (by_gpu["h100-sxm"]["tensor_parallel"], by_gpu["h100-sxm"]["nccl_source"],
+            by_gpu["h100-sxm"]["rank_budget_bytes"]) == (2, "assumed from h200-sxm at 2, not measured",
+                                                         DERIVED_BUDGETS[80] - NCCL)
