@@ -378,7 +378,7 @@ def test_the_split_model_runs_with_real_collectives_and_the_ranks_agree(tmp_path
     the same tokens; whole tensors are equal on both ranks and shards differ."""
     script = tmp_path / "run.py"
     script.write_text(RUN_ON_CPU)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
                            json.dumps(TINY)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
