@@ -26,7 +26,9 @@ NOTEBOOK_SOURCES = {
         "lab_helpers/timeline.py",
     ),
     "notebooks/forfaits.ipynb": ("lab_helpers/calcul_forfaits.py", "lab_helpers/mesure_memoire.py",
-                                 "lab_helpers/grid.py"),
+                                 "lab_helpers/grid.py", "lab_helpers/model_config.py",
+                                 "lab_helpers/alloc_trace.py", "lab_helpers/real_model.py",
+                                 "lab_helpers/forfait_fit.py"),
     "notebooks/pic-vs-reserve.ipynb": ("lab_helpers/mesure_memoire.py", "lab_helpers/plots.py",
                                        "lab_helpers/timeline.py"),
     "notebooks/real-model.ipynb": (

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # >>> library only
-from lab_helpers.calcul_forfaits import ForfaitError, load_card
+from lab_helpers.calcul_forfaits import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, ForfaitError, load_card
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
                                        WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
                                        PhaseError, TensorParallelRun, add_timeline_flags, check_new_output,
@@ -972,8 +972,28 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
     p.add_argument("--device", default="cuda:0", help="without --gpu or --memory-bytes: the GPU whose usable memory is measured (default cuda:0)")
     # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
+    p.add_argument("--card", action="store_true",
+                   help="the buyer's question: for every GPU model of the rate card, the smallest tensor-parallel "
+                        "degree that fits, the lots it needs and their price for --days, sorted by price; needs "
+                        "--batch, --context and --days, not --gpu or --memory-bytes")
+    p.add_argument("--days", type=whole_number(0), choices=DURATIONS_DAYS, metavar="D",
+                   help=f"with --card: the forfait's duration in days, one of {', '.join(map(str, DURATIONS_DAYS))}")
+    p.add_argument("--accepted-results", type=whole_number(1, MAX_ACCEPTED_RESULTS), metavar="N",
+                   help=f"with --card: results accepted over the whole forfait, 1 to {MAX_ACCEPTED_RESULTS}; adds "
+                        "the cost per accepted result (rounded half up to the cent, as calcul_forfaits does)")
+    p.add_argument("--tariffs", metavar="PATH",
+                   help="with --card: a rate card CSV (default data/tarifs-forfaits.csv)")
     p.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
     return parser
+
+
+def _card_fit():
+    """lab_helpers.forfait_fit (in a notebook, its cell's names; it imports this module, so not at the top)."""
+    import importlib
+    try:
+        return importlib.import_module("lab_helpers.forfait_fit")
+    except ImportError:
+        return sys.modules["__main__"]
 
 
 def _table(rows: list, columns: list) -> str:
@@ -986,6 +1006,8 @@ def _table(rows: list, columns: list) -> str:
 
 def format_table(command: str, result: dict) -> str:
     """The result as text for people."""
+    if command == "fit" and result.get("kind") == _card_fit().CARD_FIT_KIND:
+        return _card_fit().format_card_fit(result)
     if command == "predict":
         head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
                 f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
@@ -1025,7 +1047,13 @@ def run_command(args, argv=None) -> dict:
         if not isinstance(document, dict):
             raise LabError(f"{display_path(args.measurement)} is not a measurement document")
         return compare_model(document)
+    if args.command == "fit":
+        _card_fit().check_card_flags(args)  # before the config is read
     shape = load_shape(args.config)
+    if args.command == "fit" and args.card:
+        spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
+                       new_tokens=args.new_tokens, decode_record_every=args.new_tokens).checked()
+        return _card_fit().card_fit(shape, spec, args.days, args.accepted_results, args.tariffs)
     if args.command == "fit":
         degree = args.tensor_parallel
         check_degree(shape, degree)

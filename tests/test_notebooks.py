@@ -134,7 +134,7 @@ def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
     for n in numbers:
         assert nb.cells[n - 1].metadata.get("jupyter", {}).get("source_hidden") is True, f"cell {n} is open"
     intro = nb.cells[numbers[0] - 2]
-    assert intro.cell_type == "markdown" and "\n" not in intro.source.strip() and len(intro.source) <= 200
+    assert intro.cell_type == "markdown" and "\n" not in intro.source.strip() and len(intro.source) <= 260
     for source in sources:
         assert f"`{source}`" in intro.source, f"cell {numbers[0] - 1} does not name {source}"
     assert "make sync" in intro.source

@@ -1,0 +1,281 @@
+"""The cheapest forfait of the rate card that fits a model run: the buyer's question.
+
+    python -m lab_helpers.real_model fit --card --config llama-3.1-70b --dtype bfloat16 \\
+        --batch 1 --context 32768 --new-tokens 4 --days 7 [--accepted-results N] [--format table]
+
+For every GPU model of the rate card: the smallest tensor-parallel degree at which the predicted
+run fits one GPU's memory on every rank, the lots that degree needs, their price for the days
+asked (exact cents, from calcul_forfaits), the cost per accepted result if asked, and whether the
+memory figure per GPU was measured on that GPU or derived from the vendor's figure. Rows are
+sorted by price; the GPU models that fit at no allowed degree come last.
+"""
+import math
+
+# >>> library only
+from lab_helpers.calcul_forfaits import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE,
+                                         UNIT_COST_ROUNDING, ForfaitError, compute_forfait, format_money,
+                                         is_illustrative, load_card, printable)
+from lab_helpers.mesure_memoire import LabError
+from lab_helpers.model_config import ConfigError, ModelShape, check_tensor_parallel
+from lab_helpers.real_model import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree
+# <<< library only
+
+CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
+# Tensor parallelism runs over NCCL between the GPUs of one machine, and a machine holds at most 8
+# of them on the usual NVLink/NVSwitch boards: degrees 1 to 8 are searched, never beyond.
+CARD_MAX_DEGREE = 8
+# The derived budgets scale the one usable figure measured on an H200 SXM by the ratio of the
+# vendor's figures: NVIDIA publishes 141 GB for it, the card's memory_per_gpu_gib for h200-sxm.
+REFERENCE_GPU = "h200-sxm"
+REFERENCE_VENDOR_GB = 141
+# What NCCL holds outside the caching allocator on each rank (real_model.MEASURED_NCCL_OUTSIDE, by GPU
+# and degree) is taken off every rank's budget at degree > 1. Where that GPU and degree were not
+# measured, the figure measured on two H200s at tensor parallel 2 is assumed: a budget left whole
+# would let the table pick a degree whose ranks NCCL then pushes out of memory.
+NCCL_REFERENCE = (REFERENCE_GPU, 2)
+NCCL_RULE = ("at degree > 1 each rank's budget is the GPU's less the bytes NCCL holds outside the allocator: "
+             "measured where real_model.MEASURED_NCCL_OUTSIDE has that GPU and degree, else the {nccl} bytes "
+             "measured on two H200s at tensor parallel 2, assumed, not measured there")
+# A budget no GPU reaches (1 PiB, real_model fit's largest --memory-bytes): a run "with no cap".
+UNCAPPED_BUDGET_BYTES = 2**50
+MEASURED = "measured"
+DERIVED = "derived, not measured"
+DERIVATION_RULE = (
+    "derived, not measured: the card's figure G (vendor GB) read as G x 2^30 bytes, times the ratio "
+    "usable/advertised measured on the H200 SXM ({usable} bytes usable / (141 x 2^30) advertised): "
+    "floor(G x {usable} / 141) bytes")
+DEGREE_RULE = ("degrees 1 to {high} (the GPUs of one machine), those the model's tensor-parallel plan "
+               "can shard evenly; lots = ceil(degree / GPUs per lot)")
+ORDER = ("by total price, then fewer GPUs rented, then model id; GPU models that fit at no allowed "
+         "degree last, by model id")
+CRITERION = ("fits at degree d when every rank's predicted run (the replayed allocator, weights sharded "
+             "d ways) stays within the per-GPU budget")
+
+
+def gpu_budget_bytes(row: dict) -> dict:
+    """The per-GPU memory budget of a rate-card row: {budget_bytes, memory_source, memory_basis}.
+
+    Measured where the lab measured that GPU (real_model.MEASURED_USABLE); else derived from the
+    vendor's figure by one rule (DERIVATION_RULE), exact integer arithmetic, rounded down."""
+    gpu = row["model_id"]
+    if gpu in MEASURED_USABLE:
+        value, where = MEASURED_USABLE[gpu]
+        return {"budget_bytes": value, "memory_source": MEASURED,
+                "memory_basis": f"measured usable memory of a fresh measuring process ({where})"}
+    usable = MEASURED_USABLE[REFERENCE_GPU][0]
+    gb = row["memory_per_gpu_gib"]
+    value = gb * usable // REFERENCE_VENDOR_GB  # = gb x 2^30 x usable / (141 x 2^30), rounded down
+    return {"budget_bytes": value, "memory_source": DERIVED,
+            "memory_basis": (f"{DERIVED}: the card's {gb} GB x 2^30 x {usable} / (141 x 2^30) "
+                             f"= floor({gb} x {usable} / 141) = {value} bytes")}
+
+
+def degree_problem(shape: ModelShape, degree: int):
+    """None when transformers' tensor-parallel plan can split the model `degree` ways, else why not."""
+    try:
+        check_tensor_parallel(shape, degree)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def nccl_outside_bytes(gpu: str, degree: int) -> tuple:
+    """(bytes, source) NCCL holds outside the allocator per rank of `gpu` at `degree` (0 at degree 1)."""
+    if degree == 1:
+        return 0, "no NCCL at degree 1"
+    if (gpu, degree) in MEASURED_NCCL_OUTSIDE:
+        return MEASURED_NCCL_OUTSIDE[(gpu, degree)][0], MEASURED
+    return MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0], f"assumed from {NCCL_REFERENCE[0]} at 2, not measured"
+
+
+def rank_budget_bytes(gpu: str, gpu_budget: int, degree: int) -> int:
+    """What one rank's allocator may reserve at `degree` on a `gpu` of `gpu_budget` usable bytes."""
+    return gpu_budget - nccl_outside_bytes(gpu, degree)[0]
+
+
+def check_request(days, accepted_results) -> None:
+    """Raise LabError unless `days` is a forfait duration and `accepted_results` None or 1..10^15."""
+    if days not in DURATIONS_DAYS:
+        raise LabError(f"--days must be one of {', '.join(map(str, DURATIONS_DAYS))}, got {days!r}")
+    if accepted_results is not None and (isinstance(accepted_results, bool) or not isinstance(accepted_results, int)
+                                         or not 1 <= accepted_results <= MAX_ACCEPTED_RESULTS):
+        raise LabError(f"--accepted-results must be a whole number from 1 to {MAX_ACCEPTED_RESULTS}, "
+                       f"got {accepted_results!r}")
+
+
+def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, accepted_results=None,
+                      fits=None, max_degree: int = CARD_MAX_DEGREE, card_name: str = "") -> dict:
+    """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
+
+    `fits(degree, rank_budget_bytes) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}`
+    (the worst rank's) defaults to real_model.fits_at_degree; it is called at most once per
+    (degree, budget), first with no cap (UNCAPPED_BUDGET_BYTES), then only for the budgets below
+    that run's peak reserved. Only the degrees model_config.check_tensor_parallel accepts are tried."""
+    spec.checked()
+    check_request(days, accepted_results)
+    if fits is None:
+        def fits(degree, budget):
+            return fits_at_degree(shape, spec, degree, budget)
+    allowed, refused = [], {}
+    for degree in range(1, max_degree + 1):
+        problem = degree_problem(shape, degree)
+        if problem is None:
+            allowed.append(degree)
+        else:
+            refused[str(degree)] = problem
+    cache = {}
+
+    def fits_once(degree, budget):
+        # Under a budget at or above the run's peak reserved with no cap, the capped allocator
+        # never reaches its cap, so it replays the same requests to the same peaks: one run with no
+        # cap per degree answers every such budget; only budgets below its peak need their own.
+        if (degree, None) not in cache:
+            cache[(degree, None)] = fits(degree, UNCAPPED_BUDGET_BYTES)
+        free = cache[(degree, None)]
+        if free["fits"] and free["peak_reserved_bytes"] <= budget:
+            return free
+        if (degree, budget) not in cache:
+            cache[(degree, budget)] = fits(degree, budget)
+        return cache[(degree, budget)]
+
+    models = {}
+    for row in rows:  # the card's own order; every model has a row for every duration
+        if row["duration_days"] == days:
+            models.setdefault(row["model_id"], row)
+    fitting, not_fitting = [], []
+    for gpu, row in models.items():
+        budget = gpu_budget_bytes(row)
+        found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed
+                      if fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))["fits"]), None)
+        entry = {"gpu": gpu, "display_name": row["display_name"], "fits": found is not None,
+                 "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget}
+        if found is None:
+            entry["reason"] = (f"does not fit at any allowed degree ({', '.join(map(str, allowed))})"
+                               if allowed else "no allowed degree")
+            if allowed:
+                last = fits_once(allowed[-1], rank_budget_bytes(gpu, budget["budget_bytes"], allowed[-1]))
+                if last.get("reason"):
+                    entry["reason"] += f"; at {allowed[-1]}: {last['reason']}"
+            not_fitting.append(entry)
+            continue
+        degree, point = found
+        nccl, nccl_source = nccl_outside_bytes(gpu, degree)
+        rank_budget = budget["budget_bytes"] - nccl
+        lots = math.ceil(degree / row["gpus_per_lot"])
+        price = compute_forfait(rows, gpu, days, lots, accepted_results)
+        entry.update({
+            "tensor_parallel": degree, "lots": lots, "gpus_per_lot": row["gpus_per_lot"],
+            "gpus": price["gpus"], "idle_gpus": price["gpus"] - degree,
+            "peak_reserved_bytes": point["peak_reserved_bytes"],
+            "peak_allocated_bytes": point["peak_allocated_bytes"],
+            "nccl_outside_allocator_bytes": nccl, "nccl_source": nccl_source,
+            "rank_budget_bytes": rank_budget,
+            "headroom_bytes": rank_budget - point["peak_reserved_bytes"],
+            "lot_price_cents": price["lot_price_cents"], "total_price_cents": price["total_price_cents"],
+            "total_price": price["total_price"], "unit_cost_cents": price["unit_cost_cents"],
+            "unit_cost": price["unit_cost"],
+        })
+        fitting.append(entry)
+    fitting.sort(key=lambda e: (e["total_price_cents"], e["gpus"], e["gpu"]))
+    not_fitting.sort(key=lambda e: e["gpu"])
+    usable = MEASURED_USABLE[REFERENCE_GPU][0]
+    return {
+        "kind": CARD_FIT_KIND,
+        "configuration": {"config_name": shape.name, "dtype": spec.dtype, "batch": spec.batch,
+                          "context": spec.context, "new_tokens": spec.new_tokens},
+        "days": days, "accepted_results": accepted_results, "currency": rows[0]["currency"],
+        "rate_card": printable(card_name), "snapshot_date": ", ".join(sorted({r["snapshot_date"] for r in rows})),
+        "allowed_degrees": allowed, "refused_degrees": refused,
+        "degree_rule": DEGREE_RULE.format(high=max_degree), "nccl_rule": NCCL_RULE.format(nccl=MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0]),
+        "memory_rule": {MEASURED: "real_model.MEASURED_USABLE: the usable memory of a fresh measuring "
+                                  "process, measured on that GPU",
+                        DERIVED: DERIVATION_RULE.format(usable=usable)},
+        "criterion": CRITERION, "order": ORDER, "unit_cost_rounding": UNIT_COST_ROUNDING,
+        "predictions_run": len(cache),
+        "cheapest": fitting[0]["gpu"] if fitting else None,
+        "rows": fitting + not_fitting,
+        "notice": NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else ""),
+    }
+
+
+def read_card(tariffs=None) -> tuple:
+    """(rows, shown name) of the rate card at `tariffs` (default data/tarifs-forfaits.csv)."""
+    path = RATE_CARD_PATH if tariffs is None else tariffs
+    shown = RATE_CARD_PATH.name if tariffs is None else tariffs
+    try:
+        return load_card(path, shown), printable(shown)
+    except ForfaitError as exc:
+        raise LabError(str(exc)) from None
+
+
+def card_fit(shape: ModelShape, spec: RunSpec, days: int, accepted_results=None, tariffs=None) -> dict:
+    """cheapest_forfaits on the rate card file `tariffs` (default: the lab's card)."""
+    check_request(days, accepted_results)
+    rows, shown = read_card(tariffs)
+    return cheapest_forfaits(shape, spec, days, rows, accepted_results, card_name=shown)
+
+
+def table_rows(result: dict) -> list:
+    """One dict per GPU model with the columns people read (for pandas or format_card_fit)."""
+    currency = result["currency"]
+    out = []
+    for rank, row in enumerate(result["rows"], start=1):
+        fits = row["fits"]
+        out.append({
+            "rank": rank if fits else None, "gpu": row["gpu"],
+            "tensor_parallel": row.get("tensor_parallel"), "lots": row.get("lots"), "gpus": row.get("gpus"),
+            "total_price": format_money(row["total_price_cents"], currency) if fits else "does not fit",
+            "unit_cost": (format_money(row["unit_cost_cents"], currency)
+                          if fits and row["unit_cost_cents"] is not None else None),
+            "budget_bytes": row["budget_bytes"], "memory": row["memory_source"],
+            "peak_reserved_bytes": row.get("peak_reserved_bytes"),
+        })
+    return out
+
+
+def format_card_fit(result: dict) -> str:
+    """The result as aligned lines for people."""
+    c = result["configuration"]
+    columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget_bytes", "memory",
+               "peak_reserved_bytes"]
+    if result["accepted_results"] is not None:
+        columns.insert(6, "unit_cost")
+    rows = table_rows(result)
+    text = [[str(r[k]) if r[k] is not None else "-" for k in columns] for r in rows]
+    widths = [max(len(k), *(len(t[i]) for t in text)) for i, k in enumerate(columns)]
+    lines = [f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, "
+             f"{c['new_tokens']} new tokens: {result['days']}-day forfaits of {result['rate_card']} "
+             f"(snapshot {result['snapshot_date']})",
+             "  ".join(k.ljust(w) for k, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in text]
+    lines += ["", f"Degrees: {result['degree_rule']}; allowed for this model: "
+                  f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
+              *(f"  refused: {why}" for why in result["refused_degrees"].values()),
+              f"Order: {result['order']}.",
+              f"Memory per GPU (budget_bytes): {MEASURED} = {result['memory_rule'][MEASURED]}; "
+              f"{result['memory_rule'][DERIVED]}.",
+              f"NCCL: {result['nccl_rule']}; peak_reserved_bytes is the worst rank's."]
+    if result["accepted_results"] is not None:
+        lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")
+    lines.append(f"Notice: {result['notice']}")
+    return "\n".join(lines)
+
+
+def check_card_flags(args) -> None:
+    """Raise LabError when real_model fit's flags mix --card with a single budget, or lack a size."""
+    if args.card:
+        if args.gpu is not None or args.memory_bytes is not None:
+            raise LabError("--card compares every GPU model of the rate card: give neither --gpu nor --memory-bytes")
+        missing = [flag for flag, value in (("--batch", args.batch), ("--context", args.context),
+                                            ("--days", args.days)) if value is None]
+        if missing:
+            raise LabError(f"--card needs {' and '.join(missing)}")
+        if getattr(args, "tensor_parallel", 1) != 1:
+            raise LabError("--card finds the tensor-parallel degree itself: leave out --tensor-parallel")
+        if args.tariffs == "":
+            raise LabError("--tariffs: the path is empty")
+        return
+    extra = [flag for flag, value in (("--days", args.days), ("--accepted-results", args.accepted_results),
+                                      ("--tariffs", args.tariffs)) if value is not None]
+    if extra:
+        raise LabError(f"{', '.join(extra)} only go with --card")
