@@ -422,7 +422,8 @@ MEASUREMENT_SCHEMA = {
     },
     "allOf": [
         {"if": {"required": ["configuration"],
-                "properties": {"configuration": {"type": "object", "required": ["tensor_parallel"]}}},
+                "properties": {"configuration": {"type": "object", "required": ["tensor_parallel"],
+                                                 "properties": {"tensor_parallel": {"minimum": 2}}}}},
          "then": {"required": ["ranks"]}, "else": {"properties": {"ranks": False}}},
         {"if": {"required": ["ranks"]}, "then": {"properties": {"phases": False}}, "else": {"required": ["phases"]}},
     ],

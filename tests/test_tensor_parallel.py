@@ -442,6 +442,20 @@ def test_schema_file_and_jsonschema_agree_on_tensor_parallel_files(mm):
         assert mm.measurement_problems(document) != [], name
 
 
+
+def test_a_degree_of_one_is_a_one_gpu_file_for_both_validators(mm):
+    """configuration.tensor_parallel 1 (what a real-model RunSpec carries) is a one-GPU file: top-level
+    phases, no ranks; from 2 on, ranks are required."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(json.dumps(mm.MEASUREMENT_SCHEMA)))
+    one = tp_measurement(mm, mm.MeasureConfig(width=64, tensor_parallel=2))
+    one["configuration"]["tensor_parallel"] = 1
+    one["phases"] = one.pop("ranks")[0]["phases"]
+    assert validator.is_valid(one) and mm.measurement_problems(one) == []
+    one["configuration"]["tensor_parallel"] = 2
+    assert not validator.is_valid(one) and mm.measurement_problems(one) != []
+
+
 # ---------------------------------------------------------------- environment lists every GPU
 def test_environment_lists_every_visible_gpu(mm, monkeypatch):
     torch = pytest.importorskip("torch")
