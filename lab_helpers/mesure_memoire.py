@@ -1414,7 +1414,7 @@ class TensorParallelRun:
                 torch.cuda.synchronize(self.device)
                 del gathered
             del tiny
-            dist.barrier(group=self._gloo)
+            dist.all_reduce(torch.zeros(1), group=self._gloo)
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize(self.device)
