@@ -1407,9 +1407,10 @@ class TensorParallelRun:
             dist.all_reduce(tiny, group=self.group)
             if cuda:
                 torch.cuda.synchronize(self.device)
-                # measured (torch 2.11, NCCL 2.28): the process group still holds the first
-                # collective's tensor after the call returns, so its 512 bytes and 2 MiB segment would
-                # stay in every phase; a second collective releases it
+                # the sequence measured (torch 2.11, NCCL 2.28) to leave the allocator empty once
+                # released: an all-reduce, then an all-gather. Every wait on the gloo group goes through
+                # a CPU tensor: barrier() on a group bound to a GPU puts its token tensor on that GPU,
+                # where it stays (measured: 512 bytes and a 2 MiB segment in every phase)
                 gathered = torch.empty(self.world_size, device=self.device)
                 dist.all_gather_into_tensor(gathered, tiny, group=self.group)
                 torch.cuda.synchronize(self.device)

@@ -12,13 +12,11 @@ import subprocess
 import sys
 import time
 
-import jsonschema
 import pytest
 
 from conftest import ROOT
 
 pytestmark = pytest.mark.gpu
-SCHEMA = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text())
 PEAK_TOLERANCE = 0.001  # peaks within 0.1 % of the prediction
 # name: (batch, context, width, hidden, dtype, warmup, repeats)
 SIZES = {
@@ -63,7 +61,7 @@ def test_every_rank_matches_its_prediction(name, tmp_path):
     proc = torchrun_measure(out, *SIZES[name])
     assert proc.returncode == 0, proc.stderr[-4000:]
     document = json.loads(out.read_text())
-    jsonschema.validate(document, SCHEMA)
+    assert mm.measurement_problems(document) == []  # the schema's every rule, without jsonschema
     assert mm.read_measurement(out) == document
     assert "phases" not in document and document["configuration"]["tensor_parallel"] == 2
     assert [r["rank"] for r in document["ranks"]] == [0, 1]
