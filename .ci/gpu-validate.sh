@@ -32,6 +32,7 @@ real_models() {  # the transformers acceptance and the real-model notebook
 the_rest() {  # every other gpu test, the other notebooks, the kit, the benchmark, executed copies
   local failed=0
   "${pytest[@]}" -m gpu tests --ignore=tests/test_gpu_real_model.py --ignore=tests/test_gpu_tensor_parallel.py \
+      --ignore=tests/test_gpu_real_model_tp.py \
       > "$out/pytest-gpu.log" 2>&1 || failed=1
   "${pytest[@]}" --nbval-lax $(ls notebooks/*.ipynb | grep -v real-model) \
       > "$out/nbval.log" 2>&1 || failed=1
@@ -86,6 +87,8 @@ fi
 # every visible GPU: torchrun starts one rank per GPU
 "${pytest[@]}" -m gpu tests/test_gpu_tensor_parallel.py > "$out/pytest-gpu-tensor-parallel.log" 2>&1 ||
   failed+=(tensor-parallel)
+"${pytest[@]}" -m gpu tests/test_gpu_real_model_tp.py > "$out/pytest-gpu-real-model-tp.log" 2>&1 ||
+  failed+=(real-model-tensor-parallel)
 for log in "$out"/pytest-*.log "$out"/nbval*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
 tail -n 12 "$out/extras.log"
 echo "failed steps: ${failed[*]:-none}"
