@@ -5,10 +5,13 @@
 # With two or more GPUs visible it runs two halves at once, one GPU each (CUDA_VISIBLE_DEVICES), so
 # that no test shares a GPU with another: the real-model half on GPU 0, the rest on GPU 1. The
 # tensor-parallel tests then run alone, under torchrun on both GPUs (they skip with fewer than two).
-# Usage: bash .ci/gpu-validate.sh OUTPUT_DIR   (logs and results land there)
+# Usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|tensor-parallel]   (logs and results land there;
+# one-gpu: the two halves only; tensor-parallel: the torchrun tests only; default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: bash .ci/gpu-validate.sh OUTPUT_DIR}
+out=${1:?usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|tensor-parallel]}
+steps=${2:-all}
+case $steps in all|one-gpu|tensor-parallel) ;; *) echo "gpu-validate.sh: error: steps must be all, one-gpu or tensor-parallel, not '$steps'" >&2; exit 2 ;; esac
 mkdir -p "$out/plots"
 out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
@@ -75,7 +78,8 @@ PY
 }
 
 failed=()
-if [ "$gpus" -ge 2 ]; then
+if [ "$steps" = tensor-parallel ]; then :
+elif [ "$gpus" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=0; real_models ) & first=$!
   ( export CUDA_VISIBLE_DEVICES=1; the_rest ) & second=$!
   wait $first || failed+=(real-models)
@@ -84,12 +88,13 @@ else
   real_models || failed+=(real-models)
   the_rest || failed+=(the-rest)
 fi
-# every visible GPU: torchrun starts one rank per GPU
-"${pytest[@]}" -m gpu tests/test_gpu_tensor_parallel.py > "$out/pytest-gpu-tensor-parallel.log" 2>&1 ||
-  failed+=(tensor-parallel)
-"${pytest[@]}" -m gpu tests/test_gpu_real_model_tp.py > "$out/pytest-gpu-real-model-tp.log" 2>&1 ||
-  failed+=(real-model-tensor-parallel)
-for log in "$out"/pytest-*.log "$out"/nbval*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
-tail -n 12 "$out/extras.log"
+if [ "$steps" != one-gpu ]; then  # every visible GPU: torchrun starts one rank per GPU
+  "${pytest[@]}" -m gpu tests/test_gpu_tensor_parallel.py > "$out/pytest-gpu-tensor-parallel.log" 2>&1 ||
+    failed+=(tensor-parallel)
+  "${pytest[@]}" -m gpu tests/test_gpu_real_model_tp.py > "$out/pytest-gpu-real-model-tp.log" 2>&1 ||
+    failed+=(real-model-tensor-parallel)
+fi
+for log in "$out"/pytest-*.log "$out"/nbval*.log; do [ -f "$log" ] && echo "$(basename "$log"): $(tail -n 1 "$log")"; done
+[ -f "$out/extras.log" ] && tail -n 12 "$out/extras.log"
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
