@@ -1246,6 +1246,74 @@ def launcher_environment() -> dict:
     return {name: os.environ[name] for name in (*LAUNCHER_VARIABLES, *STORE_VARIABLES) if name in os.environ}
 
 
+def error_line(text: str) -> None:
+    """Print one line on stderr in a single write. Python's stderr writes through, so print() sends the
+    text and its newline separately; two ranks sharing torchrun's stderr would then interleave their
+    lines (one pipe write up to 4096 bytes is atomic)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+_LAUNCHER_STOP = {"received": False}  # torchrun's SIGTERM, recorded by hold_launcher_stop
+
+
+def _launched_by_torchrun() -> bool:
+    return any(name in launcher_environment() for name in LAUNCHER_VARIABLES)
+
+
+def hold_launcher_stop() -> None:
+    """Under torchrun, from the start of a command: record torchrun's SIGTERM instead of ending at once.
+    torchrun stops the ranks still running once one rank has ended. A rank that meets a bad input, as
+    every rank does alike, still prints its own line and ends with 2 (keep_own_exit_code); a rank that
+    reaches TensorParallelRun after the signal ends there in one line, since a peer is gone."""
+    if _launched_by_torchrun():
+        import signal
+        try:
+            signal.signal(signal.SIGTERM, lambda signum, frame: _LAUNCHER_STOP.update(received=True))
+        except ValueError:  # not the main thread: signal handlers belong to it
+            pass
+
+
+def keep_own_exit_code() -> None:
+    """In a process torchrun started, ignore torchrun's SIGTERM from now on: this rank is about to print
+    its own line and end with its own code."""
+    if _launched_by_torchrun():
+        import signal
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:
+            pass
+
+
+USAGE_WAIT_SECONDS = 10.0
+
+
+def wait_for_every_rank(name: str = "usage-error", timeout_seconds: float = USAGE_WAIT_SECONDS) -> None:
+    """Under torchrun (its agent hosting the store), after this rank printed its line: count it in the
+    store and wait, at most `timeout_seconds`, until every rank has. torchrun stops the ranks still
+    running as soon as one has ended, so a rank that ended at once could cut a slower rank's line
+    short; with this wait, every rank that meets the same bad input reports it."""
+    env = launcher_environment()
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    try:
+        import datetime
+
+        import torch.distributed as dist
+        world = parse_whole(env["WORLD_SIZE"], "WORLD_SIZE", 1, MAX_LAUNCHER_NUMBER)
+        store = dist.TCPStore(env["MASTER_ADDR"], parse_whole(env["MASTER_PORT"], "MASTER_PORT", 1, 65535), None,
+                              is_master=False, timeout=datetime.timedelta(seconds=timeout_seconds),
+                              wait_for_workers=False)
+        key = f"iteragpu-lab/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+        deadline = time.monotonic() + timeout_seconds
+        count = store.add(key, 1)
+        while count < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            count = store.add(key, 0)
+    except Exception:  # no store, a bad variable, a broken connection: end now, the line is printed
+        pass
+
+
 @dataclass(frozen=True)
 class LaunchInfo:
     """This process's place among the ranks, as torchrun set it."""
@@ -1470,6 +1538,7 @@ class TensorParallelRun:
         previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
         self._termination = (reader, writer, previous_fd, previous_handler)
+        self._sigterm = _LAUNCHER_STOP["received"]  # torchrun stopped this rank before the run began
 
     def _release_termination(self):
         import signal
@@ -1544,7 +1613,7 @@ class TensorParallelRun:
             sys.stdout.flush()
         except Exception:
             pass
-        print(self.failure_line(failure), file=sys.stderr, flush=True)
+        error_line(self.failure_line(failure))
         # the main thread may be blocked in a collective whose peer will never come: abort the
         # communicator (bounded: an abort can itself wait on a broken peer)
         aborting = threading.Thread(target=self._abort, daemon=True)
@@ -1595,8 +1664,8 @@ class TensorParallelRun:
                 self._end(json.loads(stored))
             if self._terminated() and not self._ending.locked():
                 # stopped by torchrun with no failure published: a rank vanished
-                print(f"{self.prog}: error: rank {self.rank} stopped by torchrun (another rank ended without "
-                      "reporting); no file written", file=sys.stderr, flush=True)
+                error_line(f"{self.prog}: error: rank {self.rank} stopped by torchrun (another rank ended without "
+                           "reporting); no file written")
                 os._exit(EXIT_TERMINATED)
             self._stopped.wait(MONITOR_INTERVAL_SECONDS)
 
@@ -2746,6 +2815,7 @@ def _command_list() -> str:
 @quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
+    hold_launcher_stop()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         print(_command_list(), file=sys.stderr)
@@ -2755,7 +2825,9 @@ def main(argv=None) -> int:
     try:
         result = run_command(args)
     except LabError as exc:
-        print(f"mesure_memoire: error: {exc}", file=sys.stderr)
+        keep_own_exit_code()
+        error_line(f"mesure_memoire: error: {exc}")
+        wait_for_every_rank()
         return EXIT_USAGE
     except PhaseError as exc:
         note = "no file written"
@@ -2767,7 +2839,7 @@ def main(argv=None) -> int:
                 note += f"; failure report not written: {write_error}"
         if getattr(args, "timeline", None) is not None:
             note += save_oom_snapshot(args.timeline, exc)
-        print(f"mesure_memoire: error: {exc}; {note}", file=sys.stderr)
+        error_line(f"mesure_memoire: error: {exc}; {note}")
         return EXIT_PHASE
     if result is None:  # a tensor-parallel rank other than 0: rank 0 reports for all
         return EXIT_OK

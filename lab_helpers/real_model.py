@@ -22,9 +22,10 @@ from lab_helpers.calcul_forfaits import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, Fo
 from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
                                        WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
                                        PhaseError, TensorParallelRun, add_timeline_flags, check_new_output,
-                                       display_path, environment, launch_info, parse_device, read_json_file,
-                                       run_phase, save_oom_snapshot, timeline_recorder, usable_memory,
-                                       whole_number, write_new_json, write_timeline, quiet_broken_pipe)
+                                       display_path, environment, error_line, hold_launcher_stop, keep_own_exit_code,
+                                       launch_info, parse_device, read_json_file, run_phase, save_oom_snapshot,
+                                       timeline_recorder, usable_memory, wait_for_every_rank, whole_number,
+                                       write_new_json, write_timeline, quiet_broken_pipe)
 from lab_helpers.model_config import (DTYPE_BYTES, MAX_TENSOR_PARALLEL, ConfigError, ModelShape, bundled_names,
                                       check_tensor_parallel, load_config, parse_config)
 # <<< library only
@@ -1103,15 +1104,18 @@ def run_command(args, argv=None) -> dict:
 @quiet_broken_pipe
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
+    hold_launcher_stop()
     args = build_parser().parse_args(argv)
     try:
         result = run_command(args, argv)
     except LabError as exc:
-        print(f"real_model: error: {exc}", file=sys.stderr)
+        keep_own_exit_code()
+        error_line(f"real_model: error: {exc}")
+        wait_for_every_rank()
         return EXIT_USAGE
     except PhaseError as exc:
         note = save_oom_snapshot(args.timeline, exc) if getattr(args, "timeline", None) is not None else ""
-        print(f"real_model: error: {exc}; no file written{note}", file=sys.stderr)
+        error_line(f"real_model: error: {exc}; no file written{note}")
         return EXIT_PHASE
     if result is None:  # a measuring rank other than 0: rank 0 reports
         return EXIT_OK

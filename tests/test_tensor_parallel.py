@@ -516,3 +516,26 @@ def test_runs_refuses_a_tensor_parallel_file_in_one_line(mm, tmp_path):
     assert one_line(proc) == ("runs: error: tp.json: a tensor-parallel measurement (phases per rank); runs compares "
                               "one-GPU files; set its ranks beside their prediction with: python -m "
                               "lab_helpers.mesure_memoire compare FILE")
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("lab_helpers.mesure_memoire", ["measure", "--width", "64", "--tensor-parallel", "4"]),
+    ("lab_helpers.real_model", ["measure", "--config", "llama-3.1-8b", "--batch", "1", "--context", "8",
+                                "--new-tokens", "1", "--tensor-parallel", "4"]),
+])
+def test_every_rank_prints_its_own_line_for_a_bad_degree_despite_torchrun_stopping_them(tmp_path, module, argv):
+    """torchrun sends SIGTERM to the ranks still running once one has ended; each rank meets the same bad
+    input and must still print its line and end with exit 2 (five runs: the race is not won by luck)."""
+    for attempt in range(5):
+        out = tmp_path / f"out-{attempt}.json"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", module, *argv, "--output", str(out)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=240)
+        prog = module.rsplit(".", 1)[1]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+        assert proc.returncode != 0 and not out.exists()
+        shown = "\n".join(line for line in proc.stderr.splitlines()
+                           if "error" in line or "exitcode" in line or "signal" in line or not line.strip())
+        assert len(lines) == 2 and lines[0] == lines[1] and "world size 2" in lines[0], shown[-3000:]
+        assert "SIGTERM" not in proc.stderr.split("Root Cause")[-1] and "exitcode  : -15" not in proc.stderr, \
+            proc.stderr[-3000:]
