@@ -347,7 +347,7 @@ def test_predict_table_at_tp2_has_a_rank_column(capsys):
 
 # ------------------------------------------- the split model really runs (gloo, CPU)
 RUN_ON_CPU = r"""
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from lab_helpers import real_model
 dist.init_process_group("gloo")
@@ -368,7 +368,7 @@ def phase(name, action, index, recorded):
         seen["embedding"] = model.model.embed_tokens.weight.flatten()[:4].tolist()
 real_model.run_protocol(shape, spec, torch.device("cpu"), phase,
                         mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-print(json.dumps({"rank": dist.get_rank(), **seen}))
+os.write(1, (json.dumps({"rank": dist.get_rank(), **seen}) + "\n").encode())  # one write: the ranks share stdout
 dist.destroy_process_group()
 """
 
