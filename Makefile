@@ -25,8 +25,9 @@ git-filter:
 lab: venv-lab
 	$(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
+# Two workers (pytest-xdist), each file on one worker: a notebook's cells share one kernel.
 test: venv-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # On a CUDA machine: the GPU tests, then every notebook with its cells run.
 test-gpu: venv-test
