@@ -32,10 +32,29 @@ def _pandas():
 
 
 def _document(document) -> dict:
-    """`document` itself, or the measurement file it names."""
+    """`document` itself, or the measurement file it names; a tensor-parallel one is refused in one line
+    (its phases are per rank: plot one rank's with rank_view)."""
     if isinstance(document, (str, os.PathLike)):
-        return read_measurement(document)
+        document = read_measurement(document)
+    if "ranks" in document and "phases" not in document:
+        raise LabError(f"a tensor-parallel document ({len(document['ranks'])} ranks) has phases per rank: "
+                       "plot one rank, e.g. rank_view(document, 0)")
     return document
+
+
+def rank_view(document, rank: int) -> dict:
+    """One rank of a tensor-parallel measurement or prediction (or the file naming it), shaped as a
+    one-GPU document, so that every function here draws it."""
+    if isinstance(document, (str, os.PathLike)):
+        document = read_measurement(document)
+    ranks = document.get("ranks")
+    if not isinstance(ranks, list):
+        raise LabError("not a tensor-parallel document: it has no ranks (plot it as it is)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(ranks):
+        raise LabError(f"rank must be a whole number from 0 to {len(ranks) - 1}, got {rank!r}")
+    view = {key: value for key, value in document.items() if key != "ranks"}
+    view["phases"] = ranks[rank]["phases"]
+    return view
 
 
 def phase_labels(phases) -> list:

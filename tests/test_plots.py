@@ -254,3 +254,22 @@ def test_the_notebook_cell_says_when_no_gpu_measured_and_draws_the_prediction(me
     else:
         assert out.startswith("No CUDA GPU, so no measurement: the bars are the prediction alone.")
         assert ax.get_lines() == [] and len(ax.containers) == 6
+
+
+def test_a_tensor_parallel_document_is_drawn_one_rank_at_a_time(mm, plots, tmp_path):
+    tp = mm.predict(mm.MeasureConfig(batch=1, context=16, width=64, tensor_parallel=2))
+    for draw in (plots.phase_table, plots.plot_phases, plots.bytes_by_kind, plots.plot_bytes_by_kind):
+        with pytest.raises(plots.LabError, match=r"^a tensor-parallel document \(2 ranks\) has phases per rank"):
+            draw(tp)
+    view = plots.rank_view(tp, 1)
+    assert "ranks" not in view and view["phases"] == tp["ranks"][1]["phases"]
+    split = plots.bytes_by_kind(view)
+    # rank 1 holds 0.weight [128, 64] and 0.bias [128] of the hidden 256, 2.weight [64, 128], 2.bias [64]
+    # whole, float32, each rounded to 512 bytes
+    assert split["by_kind"]["weights"][0] == 32768 + 512 + 32768 + 512
+    assert plots.phase_table(view).shape == (6, 6)
+    for bad in (2, -1, True, "0", None):
+        with pytest.raises(plots.LabError, match=r"^rank must be a whole number from 0 to 1"):
+            plots.rank_view(tp, bad)
+    with pytest.raises(plots.LabError, match="not a tensor-parallel document"):
+        plots.rank_view(mm.predict(mm.MeasureConfig(width=64)), 0)
