@@ -8,6 +8,7 @@ notebook kernel runs as ``__main__``), under a banner naming the file to edit.
     python -m lab_helpers.notebook_sync --check  # exit 1 if any cell drifted
 """
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -90,8 +91,16 @@ def rename(code: str, names: set, suffix: str) -> str:
 def cell_text(source: str, root: Path = ROOT, earlier: tuple = ()) -> str:
     """Return the notebook cell text generated from the module file `source`, `earlier` being
     the sources the notebook inlines in cells above it (one namespace for all of them)."""
-    text = (root / source).read_text(encoding="utf-8")
-    lines = text.splitlines()
+    earlier = tuple(earlier)
+    texts = tuple((root / name).read_text(encoding="utf-8") for name in (*earlier, source))
+    return _cell_text(source, earlier, texts)
+
+
+# each cell needs the names of every cell above it, which need theirs: cached by the files' text,
+# or a notebook inlining n modules would rebuild the first ones 2^n times
+@functools.lru_cache(maxsize=256)
+def _cell_text(source: str, earlier: tuple, texts: tuple) -> str:
+    lines = texts[-1].splitlines()
     if MAIN_GUARD in lines:
         lines = lines[: lines.index(MAIN_GUARD)]
     # imports of sibling modules: in the notebook an earlier generated cell defines those names
@@ -101,7 +110,7 @@ def cell_text(source: str, root: Path = ROOT, earlier: tuple = ()) -> str:
         del lines[start:end + 1]
     earlier_names = set()
     for position, previous in enumerate(earlier):
-        earlier_names |= top_level_names(module_text(cell_text(previous, root, earlier[:position])))
+        earlier_names |= top_level_names(module_text(_cell_text(previous, earlier[:position], texts[:position + 1])))
     stems = {Path(previous).stem for previous in earlier}
     for i, line in enumerate(lines):
         match = SIBLING_ALIAS.match(line)

@@ -525,8 +525,8 @@ def test_runs_refuses_a_tensor_parallel_file_in_one_line(mm, tmp_path):
 ])
 def test_every_rank_prints_its_own_line_for_a_bad_degree_despite_torchrun_stopping_them(tmp_path, module, argv):
     """torchrun sends SIGTERM to the ranks still running once one has ended; each rank meets the same bad
-    input and must still print its line and end with exit 2 (five runs: the race is not won by luck)."""
-    for attempt in range(5):
+    input and must still print its line and end with exit 2 (three runs: the race is not won by luck)."""
+    for attempt in range(3):
         out = tmp_path / f"out-{attempt}.json"
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                "-m", module, *argv, "--output", str(out)],
