@@ -266,6 +266,9 @@ def check_card_flags(args) -> None:
     if args.card:
         if args.gpu is not None or args.memory_bytes is not None:
             raise LabError("--card compares every GPU model of the rate card: give neither --gpu nor --memory-bytes")
+        if getattr(args, "device", None) is not None:
+            raise LabError("--card reads each GPU's memory from the lab's measurements or the rate card: "
+                           "leave out --device")
         missing = [flag for flag, value in (("--batch", args.batch), ("--context", args.context),
                                             ("--days", args.days)) if value is None]
         if missing:

@@ -971,7 +971,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
     budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
-    p.add_argument("--device", default="cuda:0", help="without --gpu or --memory-bytes: the GPU whose usable memory is measured (default cuda:0)")
+    p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
+                   "is measured (default cuda:0)")
     # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
     p.add_argument("--card", action="store_true",
                    help="the buyer's question: for every GPU model of the rate card, the smallest tensor-parallel "
@@ -1063,8 +1064,9 @@ def run_command(args, argv=None) -> dict:
         elif args.memory_bytes:
             budget, source = args.memory_bytes, "given with --memory-bytes"
         else:
-            budget = usable_memory_bytes(args.device)
-            source = f"usable memory of {args.device}, measured now in a fresh child process"
+            device = args.device or "cuda:0"
+            budget = usable_memory_bytes(device)
+            source = f"usable memory of {device}, measured now in a fresh child process"
             if degree > 1:
                 source += ("; NCCL's memory outside the allocator is not subtracted, so the budget per rank "
                            "is an upper bound")

@@ -229,6 +229,7 @@ HOSTILE = [
     (["--days", "7", "--accepted-results", "٣"], "--accepted-results"),
     (["--days", "7", "--gpu", "h200-sxm"], "give neither --gpu nor --memory-bytes"),
     (["--days", "7", "--memory-bytes", "1000"], "give neither --gpu nor --memory-bytes"),
+    (["--days", "7", "--device", "cuda:1"], "leave out --device"),
     ([], "--card needs --days"),
     (["--days", "7", "--tensor-parallel", "2"], "--card finds the tensor-parallel degree itself"),
     (["--days", "7", "--tariffs", ""], "--tariffs: the path is empty"),
