@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # >>> library only
-from lab_helpers.mesure_memoire import LARGE_SEGMENT_BYTES, AllocatorModel
+from lab_helpers.allocator.model import AllocatorModel, LARGE_SEGMENT_BYTES
 # <<< library only
 
 MIB = 2**20

@@ -15,7 +15,7 @@ import math
 from lab_helpers.calcul_forfaits import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE,
                                          UNIT_COST_ROUNDING, ForfaitError, compute_forfait, format_money,
                                          is_illustrative, load_card, printable)
-from lab_helpers.mesure_memoire import LabError
+from lab_helpers.core.errors import LabError
 from lab_helpers.model_config import ConfigError, ModelShape, check_tensor_parallel
 from lab_helpers.real_model import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree
 # <<< library only

@@ -21,10 +21,10 @@ from lab_helpers.calcul_forfaits import (
     UNIT_COST_ROUNDING, ForfaitError, compute_forfait, csv_rows, default_card_path, format_cents,
     is_illustrative, is_iso_date, load_card, printable, read_text_file, unit_cost_cents,
 )
-from lab_helpers.mesure_memoire import (
-    EXIT_OK, EXIT_USAGE, CommandParser, LabError, csv_text, parse_decimal, parse_whole, quiet_broken_pipe,
-    write_new_text,
-)
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_OK, EXIT_USAGE, LabError
+from lab_helpers.core.files import csv_text, write_new_text
+from lab_helpers.core.numbers import parse_decimal, parse_whole
 # <<< library only
 
 GRID_PROG = "grid"

@@ -13,7 +13,8 @@ Standard library only (mesure_memoire too imports nothing else): git runs it wit
 import json
 import sys
 
-from lab_helpers.mesure_memoire import EXIT_OK, EXIT_USAGE, CommandParser, quiet_broken_pipe
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_OK, EXIT_USAGE
 
 PROG = "notebook_strip"
 FILTER_NAME = "notebook-strip"

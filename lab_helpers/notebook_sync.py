@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nbformat
 
-from lab_helpers.mesure_memoire import CommandParser, quiet_broken_pipe
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
 from lab_helpers.notebook_strip import GENERATED_TAG_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,8 @@ mesure_memoire.read_measurement; synthetic and transformers measurements both wo
 import os
 
 # >>> library only
-from lab_helpers.mesure_memoire import LabError, read_measurement
+from lab_helpers.core.errors import LabError
+from lab_helpers.measurement.schema import read_measurement
 # <<< library only
 
 MISSING_PACKAGE = "{name} is not installed: run make lab (or pip install -r requirements.txt)"

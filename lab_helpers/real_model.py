@@ -19,13 +19,19 @@ from pathlib import Path
 
 # >>> library only
 from lab_helpers.calcul_forfaits import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, ForfaitError, load_card
-from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_PHASE, EXIT_USAGE, INPUTS_LABEL, KV_CACHE_LABEL,
-                                       WEIGHTS_LABEL, AllocatorModel, CommandParser, HistoryRecorder, LabError,
-                                       PhaseError, TensorParallelRun, add_timeline_flags, check_new_output,
-                                       display_path, environment, error_line, hold_launcher_stop, keep_own_exit_code,
-                                       launch_info, parse_device, read_json_file, run_phase, save_oom_snapshot,
-                                       timeline_recorder, usable_memory, wait_for_every_rank, whole_number,
-                                       write_new_json, write_timeline, quiet_broken_pipe)
+from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
+from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.core.cli import CommandParser, error_line, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, EXIT_USAGE, LabError
+from lab_helpers.core.files import check_new_output, display_path, read_json_file, write_new_json
+from lab_helpers.core.numbers import parse_device, whole_number
+from lab_helpers.launch.tensor_parallel import TensorParallelRun
+from lab_helpers.launch.torchrun import (hold_launcher_stop, keep_own_exit_code, launch_info,
+                                         wait_for_every_rank)
+from lab_helpers.measurement.environment import environment, usable_memory
+from lab_helpers.measurement.protocol import PhaseError, run_phase
+from lab_helpers.measurement.recording import (add_timeline_flags, save_oom_snapshot, timeline_recorder,
+                                               write_timeline)
 from lab_helpers.model_config import (DTYPE_BYTES, MAX_TENSOR_PARALLEL, ConfigError, ModelShape, bundled_names,
                                       check_tensor_parallel, load_config, parse_config)
 # <<< library only

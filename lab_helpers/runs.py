@@ -12,9 +12,10 @@ from pathlib import Path
 pd = None  # pandas, imported on first use: reading and checking the files needs only the standard library
 
 # >>> library only
-from lab_helpers.mesure_memoire import (EXIT_OK, EXIT_USAGE, CommandParser, LabError, check_new_output, csv_text,
-                                        display_path, quiet_broken_pipe, read_measurement, write_new_bytes,
-                                        write_new_text)
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_OK, EXIT_USAGE, LabError
+from lab_helpers.core.files import check_new_output, csv_text, display_path, write_new_bytes, write_new_text
+from lab_helpers.measurement.schema import read_measurement
 # <<< library only
 
 ENVIRONMENT_COLUMNS = ("device_name", "torch_version", "cuda_build_version", "compute_capability")

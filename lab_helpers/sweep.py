@@ -27,11 +27,15 @@ from tqdm import tqdm
 
 # >>> library only
 # the notebook drops this block: its mesure_memoire cell, run before this one, defines these names
-from lab_helpers.mesure_memoire import (EXIT_FAILURE, EXIT_OK, EXIT_PHASE, EXIT_USAGE, GIB, MAX_BATCH,
-                                        MAX_CONTEXT, MAX_HIDDEN, MAX_SEED, MAX_WIDTH, CommandParser, LabError,
-                                        MeasureConfig, add_size_flags, csv_text, decimal_number, display_path,
-                                        predict, read_json_file, read_measurement, quiet_broken_pipe, replace_text,
-                                        whole_number)
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_PHASE, EXIT_USAGE, LabError
+from lab_helpers.core.files import csv_text, display_path, read_json_file, replace_text
+from lab_helpers.core.numbers import GIB, decimal_number, whole_number
+from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_SEED, MAX_WIDTH,
+                                            read_measurement)
+from lab_helpers.synthetic.commands import add_size_flags
+from lab_helpers.synthetic.network import MeasureConfig
+from lab_helpers.synthetic.predict import predict
 # <<< library only
 
 DIMENSIONS = ("batch", "context", "width", "hidden")

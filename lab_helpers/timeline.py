@@ -24,11 +24,17 @@ import sys
 from pathlib import Path
 
 # >>> library only
-from lab_helpers.mesure_memoire import (
-    DEFAULT_MAX_ENTRIES, EXIT_OK, EXIT_USAGE, MIB, NO_PHASE, OOM_SNAPSHOT_KIND, SCHEMA_VERSION,
-    LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES, SMALL_SEGMENT_BYTES, TIMELINE_ACTIONS, TIMELINE_COLUMNS, TIMELINE_KIND, AllocatorModel, CommandParser,
-    LabError, check_allocator_snapshot, check_new_output, is_byte_count, now_us, oom_snapshot_document,
-    quiet_broken_pipe, timeline_from_snapshot, write_new_bytes)
+from lab_helpers.allocator.history import (DEFAULT_MAX_ENTRIES, NO_PHASE, OOM_SNAPSHOT_KIND, TIMELINE_ACTIONS,
+                                           TIMELINE_COLUMNS, TIMELINE_KIND, check_allocator_snapshot,
+                                           is_byte_count, now_us, oom_snapshot_document,
+                                           timeline_from_snapshot)
+from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES,
+                                         SMALL_SEGMENT_BYTES)
+from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
+from lab_helpers.core.errors import EXIT_OK, EXIT_USAGE, LabError
+from lab_helpers.core.files import check_new_output, write_new_bytes
+from lab_helpers.core.numbers import MIB
+from lab_helpers.measurement.schema import SCHEMA_VERSION
 # <<< library only
 
 ACTIONS, COLUMNS = TIMELINE_ACTIONS, TIMELINE_COLUMNS

@@ -1,0 +1,72 @@
+"""The phase protocol every measuring command follows: synchronize, reset the peaks, run, read the counters."""
+import time
+
+from lab_helpers.allocator.history import now_us
+from lab_helpers.core.errors import LabError, safe_reason
+
+
+class PhaseError(Exception):
+    """A CUDA failure (out of memory included) during a measured phase: exit code 3."""
+
+    def __init__(self, phase, exc):
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
+        self.phase = phase
+        memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
+        self.reason = "out_of_memory" if memory else "cuda_error"
+        self.message = f"{type(exc).__name__}: {first_line[:300]}"
+        self.oom_snapshot = None  # set by measure's HistoryRecorder on out-of-memory
+        self.oom_snapshot_problem = None
+
+    def report(self) -> dict:
+        """The structured failure that `measure --failure-report` writes."""
+        return {"kind": "iteragpu-lab measure failure", "phase": self.phase, "reason": self.reason,
+                "message": self.message}
+
+
+def import_torch():
+    try:
+        import torch
+    except Exception as exc:
+        raise LabError(f"torch cannot be imported ({safe_reason(exc)}); measure needs a GPU build of torch")
+    return torch
+
+
+def run_phase(torch, device, name, action, index=None, passes=0, history=None, failed_as=None):
+    """Run `action` as one phase, as every measuring command measures it; return (record, what action returned). With a HistoryRecorder
+    `history`, mark the phase on the trace's clock (between the synchronizations) and on failure
+    let it save the allocator's state. A failure names the phase `failed_as` (default `name`)."""
+    torch.cuda.synchronize(device)
+    baseline_allocated = torch.cuda.memory_allocated(device)
+    baseline_reserved = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_us = now_us()
+    try:
+        started = time.perf_counter()
+        start.record()
+        result = action()
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+        device_seconds = start.elapsed_time(end) / 1000.0  # elapsed_time is in ms
+    except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors derive from it
+        error = PhaseError(failed_as or name, exc)
+        if history is not None:
+            history.mark(name, index, start_us, now_us())
+            history.failure(torch, device, error)
+        raise error from None
+    if history is not None:
+        history.mark(name, index, start_us, now_us())
+    stats = torch.cuda.memory_stats(device)
+    record = {
+        "phase": name, "index": index, "passes": passes,
+        "seconds": seconds, "device_seconds": device_seconds,
+        "baseline_allocated_bytes": baseline_allocated,
+        "baseline_reserved_bytes": baseline_reserved,
+        "end_allocated_bytes": stats["allocated_bytes.all.current"],
+        "end_reserved_bytes": stats["reserved_bytes.all.current"],
+        "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+        "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+    }
+    return record, result

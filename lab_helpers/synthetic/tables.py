@@ -1,0 +1,85 @@
+"""The tables for people of predict and compare."""
+
+from lab_helpers.core.tables import format_bytes, text_table
+
+
+def _label(record) -> str:
+    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+
+
+def _sizes_line(configuration) -> str:
+    c = configuration
+    return (f"batch {c['batch']}, context {c['context']}, width {c['width']}, hidden {c['hidden']}, "
+            f"{c['dtype']}, warmup {c['warmup']}, repeats {c['repeats']}")
+
+
+def _rank_groups(ranks: list) -> list:
+    """[(rank numbers, phases)]: consecutive ranks with identical phases shown once."""
+    groups = []
+    for rank in ranks:
+        if groups and groups[-1][1] == rank["phases"]:
+            groups[-1][0].append(rank["rank"])
+        else:
+            groups.append(([rank["rank"]], rank["phases"]))
+    return groups
+
+
+def _ranks_label(numbers: list) -> str:
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
+
+
+def predict_table(result: dict) -> str:
+    """Predicted end and peak of allocated and reserved per phase (per rank at tensor parallel N),
+    for people."""
+    counters = ("end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")
+    header = ("phase", "end allocated", "peak allocated", "end reserved", "peak reserved")
+    workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    lines = [f"prediction: {_sizes_line(result['configuration'])}"]
+    if "ranks" in result:
+        for numbers, phases in _rank_groups(result["ranks"]):
+            lines.append(f"{_ranks_label(numbers)}:")
+            lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters)) for p in phases]))
+    else:
+        lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters))
+                                         for p in result["phases"]]))
+    lines += ["each phase starts from the previous one's end",
+              f"workspace: {workspace} bytes ({result['workspace']['source']})",
+              f"reserved assumes: {result['reserved_assumptions']}"]
+    if "outside_allocator" in result:
+        lines.append(f"NCCL outside the allocator: {result['outside_allocator']}")
+    return "\n".join(lines)
+
+
+def compare_table(result: dict) -> str:
+    """Measured beside predicted peaks per phase, differences in bytes, for people; one table per
+    rank at tensor parallel N, with what NCCL holds outside the allocator on that rank."""
+    if "ranks" not in result:
+        return _compare_rows_table(result)
+    parts = [f"tensor parallel {result['tensor_parallel']}: allocated exact on every rank: "
+             f"{'yes' if result['allocated_exact'] else 'no'}"]
+    for rank in result["ranks"]:
+        outside = rank.get("outside_allocator") or {}
+        nccl = outside.get("nccl_outside_allocator_bytes")
+        parts.append(f"rank {rank['rank']} ({rank.get('device')}): NCCL outside the allocator "
+                     f"{'not measured' if nccl is None else format_bytes(nccl) if nccl >= 0 else f'{nccl} B'}")
+        parts.append(_compare_rows_table({**rank, "workspace": result["workspace"]}))
+    return "\n".join(parts)
+
+
+def _compare_rows_table(result: dict) -> str:
+    header = ("phase", "measured peak allocated", "predicted", "difference B",
+              "measured peak reserved", "predicted", "difference B")
+    rows = []
+    for r in result["rows"]:
+        rows.append((_label(r),
+                     format_bytes(r["measured_peak_allocated_bytes"]), format_bytes(r["predicted_peak_allocated_bytes"]),
+                     f"{r['difference_peak_allocated_bytes']:+d}",
+                     format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
+                     f"{r['difference_peak_reserved_bytes']:+d}"))
+    workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    return "\n".join([
+        text_table(header, rows),
+        f"allocated exact (baseline, end and peak of every phase): {'yes' if result['allocated_exact'] else 'no'}",
+        f"workspace predicted: {workspace} bytes ({result['workspace']['source']}); "
+        f"detected from the cold forward: {result['workspace_detected_bytes']} bytes",
+    ])
