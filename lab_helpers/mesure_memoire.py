@@ -2950,7 +2950,7 @@ def _config_from(args) -> MeasureConfig:
 def own_command(argv) -> list:
     """How this file was started, then `argv`: `-m lab_helpers.mesure_memoire ...` for the module
     (python -m, or the iteragpu-memory command), the script as typed for a copy run as a file."""
-    if globals().get("__spec__") is None and sys.argv and sys.argv[0].endswith(".py"):
+    if __spec__ is None and sys.argv and sys.argv[0].endswith(".py"):  # a file run as a script has no spec
         return [display_path(sys.argv[0]), *argv]
     return ["-m", "lab_helpers.mesure_memoire", *argv]
 

@@ -1,8 +1,10 @@
-"""Shared fixtures: every behaviour test runs against the library module AND the
-copy inlined in the notebook (the adapter below turns a notebook cell back into a
-module file), so the notebook copy is tested, not only compared."""
+"""Shared fixtures: every behaviour test runs where users run the code. A module fixture runs
+on the generated standalone file (what the kit ships) and on the notebook's generated cells (what
+a notebook's kernel defines); a command-line fixture runs the standalone file and the package's
+own entry, so the generated copy is tested, not only compared."""
+import importlib
 import importlib.util
-import shutil
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -10,28 +12,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLEMENTATIONS = ("library", "notebook")
-MAIN_TRAILER = '\n\nif __name__ == "__main__":\n    sys.exit(main())\n'
+GENERATED_TAG = "generated-from:"
+MODULE_KINDS = ("standalone", "notebook")
+COMMAND_KINDS = ("standalone", "package")
+# (standalone file, the notebook whose generated cells define the same functions, the package module
+# whose main() the standalone file runs)
+IMPLEMENTATIONS = {
+    "mesure_memoire": ("lab_helpers/mesure_memoire.py", "notebooks/mesure-memoire.ipynb",
+                       "lab_helpers.synthetic.commands"),
+    "calcul_forfaits": ("lab_helpers/calcul_forfaits.py", "notebooks/forfaits.ipynb",
+                        "lab_helpers.pricing.commands"),
+}
 
 
-def _notebook_for(source: str) -> str:
-    from lab_helpers import notebook_sync  # needs nbformat: imported here so the GPU tests run without it
-    for notebook, sources in notebook_sync.NOTEBOOK_SOURCES.items():
-        if source in sources:
-            return notebook
-    raise KeyError(source)
-
-
-def implementation_file(kind: str, source: str, workdir: Path) -> Path:
-    """Return a runnable .py file for `source` taken from the library or its notebook."""
-    if kind == "library":
-        return ROOT / source
-    # what the notebook's kernel has defined once that cell has run
-    from lab_helpers import notebook_sync
-    code = notebook_sync.notebook_code_upto(_notebook_for(source), source)
-    path = workdir / Path(source).name
-    path.write_text(code + (MAIN_TRAILER if "def main(" in code else ""), encoding="utf-8")
-    return path
+def notebook_cells_code(notebook: str) -> str:
+    """The code of every generated cell of `notebook`, in order: what its kernel has defined once
+    those cells have run (read as JSON: the GPU tests run without nbformat)."""
+    cells = json.loads((ROOT / notebook).read_text(encoding="utf-8"))["cells"]
+    parts = []
+    for cell in cells:
+        if any(tag.startswith(GENERATED_TAG) for tag in cell.get("metadata", {}).get("tags", [])):
+            source = cell["source"]
+            parts.append(source if isinstance(source, str) else "".join(source))
+    return "\n\n".join(parts)
 
 
 def load_module(path: Path):
@@ -44,41 +47,62 @@ def load_module(path: Path):
     return module
 
 
-def _impl_fixture(source: str):
-    @pytest.fixture(scope="session", params=IMPLEMENTATIONS)
+def implementation_module(kind: str, name: str, workdir: Path):
+    """The module `name` as the standalone file or as the notebook's cells define it."""
+    standalone, notebook, _ = IMPLEMENTATIONS[name]
+    if kind == "standalone":
+        return load_module(ROOT / standalone)
+    path = workdir / f"{name}_notebook_cells.py"
+    path.write_text(notebook_cells_code(notebook), encoding="utf-8")
+    return load_module(path)
+
+
+def command_script(kind: str, name: str, workdir: Path) -> Path:
+    """A runnable .py file of program `name`: the standalone file, or a starter of the package's main()."""
+    standalone, _, package_module = IMPLEMENTATIONS[name]
+    if kind == "standalone":
+        return ROOT / standalone
+    path = workdir / f"{name}_package.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom {package_module} import main\n"
+                    "sys.exit(main())\n", encoding="utf-8")
+    return path
+
+
+def command_module(kind: str, name: str):
+    """A module with the program's main(), its globals patchable: the standalone file, or the package's
+    commands module."""
+    standalone, _, package_module = IMPLEMENTATIONS[name]
+    return load_module(ROOT / standalone) if kind == "standalone" else importlib.import_module(package_module)
+
+
+def _module_fixture(name: str):
+    @pytest.fixture(scope="session", params=MODULE_KINDS)
     def fixture(request, tmp_path_factory):
-        workdir = tmp_path_factory.mktemp(f"impl-{request.param}")
-        path = implementation_file(request.param, source, workdir)
-        return path, load_module(path)
+        return implementation_module(request.param, name, tmp_path_factory.mktemp(f"impl-{request.param}"))
     return fixture
 
 
-mm_impl = _impl_fixture("lab_helpers/mesure_memoire.py")
-calc_impl = _impl_fixture("lab_helpers/calcul_forfaits.py")
+def _script_fixture(name: str):
+    @pytest.fixture(scope="session", params=COMMAND_KINDS)
+    def fixture(request, tmp_path_factory):
+        return command_script(request.param, name, tmp_path_factory.mktemp(f"cli-{request.param}"))
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def mm(mm_impl):
-    """The mesure_memoire module (library or notebook copy)."""
-    return mm_impl[1]
+def _program_fixture(name: str):
+    @pytest.fixture(scope="session", params=COMMAND_KINDS)
+    def fixture(request):
+        return command_module(request.param, name)
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def mm_script(mm_impl):
-    """Path of a runnable mesure_memoire.py (library or notebook copy)."""
-    return mm_impl[0]
-
-
-@pytest.fixture(scope="session")
-def calc(calc_impl):
-    """The calcul_forfaits module (library or notebook copy)."""
-    return calc_impl[1]
-
-
-@pytest.fixture(scope="session")
-def calc_script(calc_impl):
-    """Path of a runnable calcul_forfaits.py (library or notebook copy)."""
-    return calc_impl[0]
+mm = _module_fixture("mesure_memoire")
+mm.__doc__ = "The mesure_memoire functions (standalone file or notebook cells)."
+mm_script = _script_fixture("mesure_memoire")
+mm_program = _program_fixture("mesure_memoire")
+calc = _module_fixture("calcul_forfaits")
+calc_script = _script_fixture("calcul_forfaits")
+calc_program = _program_fixture("calcul_forfaits")
 
 
 def cuda_available() -> bool:
@@ -98,13 +122,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-plots_impl = _impl_fixture("lab_helpers/plots.py")
-
-
-@pytest.fixture(scope="session")
-def plots(plots_impl):
-    """The plots module (library or notebook copy)."""
-    return plots_impl[1]
+@pytest.fixture(scope="session", params=("package", "notebook"))
+def plots(request, tmp_path_factory):
+    """The plots functions: the package's module, or the mesure-memoire notebook's cells."""
+    if request.param == "package":
+        return importlib.import_module("lab_helpers.views.plots")
+    path = tmp_path_factory.mktemp("plots-notebook") / "plots_notebook_cells.py"
+    path.write_text(notebook_cells_code("notebooks/mesure-memoire.ipynb"), encoding="utf-8")
+    return load_module(path)
 
 
 def full_measurement(mm, config, shift=0):

@@ -111,7 +111,7 @@ def test_sweep_without_gpu_says_so_on_stderr_even_with_stdout_closed(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
 
 
-def test_in_process_main_returns_141_when_stdout_is_gone(mm, monkeypatch):
+def test_in_process_main_returns_141_when_stdout_is_gone(mm_program, monkeypatch):
     class Gone:
         def write(self, text):
             raise BrokenPipeError(32, "Broken pipe")
@@ -120,4 +120,4 @@ def test_in_process_main_returns_141_when_stdout_is_gone(mm, monkeypatch):
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(sys, "stdout", Gone())
-    assert mm.main(["estimate", "--parameters", "10", "--bits", "8"]) == EXIT_BROKEN_PIPE
+    assert mm_program.main(["estimate", "--parameters", "10", "--bits", "8"]) == EXIT_BROKEN_PIPE

@@ -21,11 +21,18 @@ import jsonschema
 import pytest
 
 from conftest import ROOT, full_measurement
-from lab_helpers import mesure_memoire as mm
+from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import (csv_text, display_path, replace_bytes, replace_text, write_new_json,
+                                    write_new_text)
+from lab_helpers.core.numbers import parse_decimal, parse_whole
+from lab_helpers.measurement.schema import MEASUREMENT_SCHEMA, measurement_problems, read_measurement
+from lab_helpers.synthetic.network import MeasureConfig
+from lab_helpers.synthetic import predict as synthetic_predict
+from lab_helpers.synthetic.predict import predict
 
 TIME_LIMIT_SECONDS = 2.0
 RUNS_TIME_LIMIT_SECONDS = 4.0  # runs imports pandas first: a second of the limit is that import
-SYNTHETIC = full_measurement(mm, mm.MeasureConfig(batch=2, context=8, width=16, repeats=2))
+SYNTHETIC = full_measurement(synthetic_predict, MeasureConfig(batch=2, context=8, width=16, repeats=2))
 
 
 def transformers_document() -> dict:
@@ -306,7 +313,7 @@ RUNS_CASES = [
     ("runs-folder", ["m.json"], a_folder, "it is a folder"),
     ("runs-fifo", ["m.json"], fifo, "not a regular file"),
     ("runs-not-json", ["m.json"], raw_file(b"{"), "not valid JSON"),
-    ("runs-prediction", ["m.json"], raw_file(json.dumps(mm.predict(mm.MeasureConfig())).encode()),
+    ("runs-prediction", ["m.json"], raw_file(json.dumps(predict(MeasureConfig())).encode()),
      "lacks the required key 'environment'"),
     ("runs-lone-surrogate", ["m.json"], json_with(lambda t: t.replace('"NVIDIA H200"', '"\\ud800"')),
      "lone surrogate"),
@@ -411,8 +418,8 @@ def test_read_only_folder_refused(tmp_path):
         if os.access(folder, os.W_OK):
             pytest.skip("running as root: a read-only folder is still writable here; the /sys and "
                         "name-too-long rows cover a refused output")
-        with pytest.raises(mm.LabError, match="permission denied"):
-            mm.write_new_text(folder / "x.txt", "x")
+        with pytest.raises(LabError, match="permission denied"):
+            write_new_text(folder / "x.txt", "x")
     finally:
         folder.chmod(0o755)
 
@@ -421,12 +428,12 @@ def test_read_only_folder_refused(tmp_path):
 WRITER = """
 import sys
 sys.path.insert(0, {root!r})
-from lab_helpers import mesure_memoire as mm
+from lab_helpers.core.files import LabError, write_new_text
 text = sys.argv[2] * int(sys.argv[3])
 print("ready", flush=True)
 try:
-    mm.write_new_text(sys.argv[1], text)
-except mm.LabError as exc:
+    write_new_text(sys.argv[1], text)
+except LabError as exc:
     print(f"writer: error: {{exc}}", file=sys.stderr)
     sys.exit(2)
 """
@@ -481,9 +488,9 @@ def test_writer_killed_mid_write_leaves_nothing(tmp_path):
 def test_new_files_get_the_users_mode(tmp_path, umask, mode, unnamed):
     code = (f"import os, sys; sys.path.insert(0, {str(ROOT)!r}); os.umask({umask})\n"
             + ("" if unnamed else "del os.O_TMPFILE\n")
-            + "from lab_helpers import mesure_memoire as mm\n"
-            f"mm.write_new_json({str(tmp_path / 'f.json')!r}, {{'a': 1}})\n"
-            f"mm.replace_text({str(tmp_path / 'g.csv')!r}, 'x')\n")
+            + "from lab_helpers.core.files import LabError, replace_text, write_new_json, write_new_text\n"
+            f"write_new_json({str(tmp_path / 'f.json')!r}, {{'a': 1}})\n"
+            f"replace_text({str(tmp_path / 'g.csv')!r}, 'x')\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
     assert stat.S_IMODE((tmp_path / "f.json").stat().st_mode) == mode
     assert stat.S_IMODE((tmp_path / "g.csv").stat().st_mode) == mode
@@ -494,19 +501,19 @@ def test_new_files_get_the_users_mode(tmp_path, umask, mode, unnamed):
 def test_named_temporary_fallback_is_exclusive_and_clean(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "O_TMPFILE", raising=False)
     target = tmp_path / "t.txt"
-    mm.write_new_text(target, "first")
-    with pytest.raises(mm.LabError, match="already exists"):
-        mm.write_new_text(target, "second")
+    write_new_text(target, "first")
+    with pytest.raises(LabError, match="already exists"):
+        write_new_text(target, "second")
     assert target.read_text() == "first" and [p.name for p in tmp_path.iterdir()] == ["t.txt"]
 
 
 def test_replace_text_rewrites_whole_and_names_the_path_as_given(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    mm.replace_text("s.csv", "a\n")
-    mm.replace_text("s.csv", "b\n")
+    replace_text("s.csv", "a\n")
+    replace_text("s.csv", "b\n")
     assert Path("s.csv").read_text() == "b\n" and os.listdir(".") == ["s.csv"]
-    with pytest.raises(mm.LabError, match=r"^cannot write absent/s.csv: its folder does not exist$"):
-        mm.replace_text("absent/s.csv", "x")
+    with pytest.raises(LabError, match=r"^cannot write absent/s.csv: its folder does not exist$"):
+        replace_text("absent/s.csv", "x")
 
 
 def test_replace_bytes_rewrites_whole_with_the_users_mode_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
@@ -515,21 +522,21 @@ def test_replace_bytes_rewrites_whole_with_the_users_mode_and_leaves_nothing_on_
     os.chmod("k.zip", 0o600)
     umask = os.umask(0o027)
     try:
-        mm.replace_bytes("k.zip", b"\x00new\xff")
+        replace_bytes("k.zip", b"\x00new\xff")
     finally:
         os.umask(umask)
     assert Path("k.zip").read_bytes() == b"\x00new\xff" and os.listdir(".") == ["k.zip"]
     assert Path("k.zip").stat().st_mode & 0o777 == 0o640
     os.mkdir("d")  # a folder in the file's place: os.replace refuses, the temporary goes
-    with pytest.raises(mm.LabError, match=r"^cannot write d: it is a folder$"):
-        mm.replace_bytes("d", b"x")
+    with pytest.raises(LabError, match=r"^cannot write d: it is a folder$"):
+        replace_bytes("d", b"x")
     assert sorted(os.listdir(".")) == ["d", "k.zip"] and os.listdir("d") == []
 
 
 def test_json_writer_refuses_nan_and_writes_nothing(tmp_path):
     for value in (float("nan"), float("inf"), -float("inf")):
-        with pytest.raises(mm.LabError, match="not finite"):
-            mm.write_new_json(tmp_path / "n.json", {"seconds": value})
+        with pytest.raises(LabError, match="not finite"):
+            write_new_json(tmp_path / "n.json", {"seconds": value})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -541,63 +548,63 @@ def test_errors_name_the_path_as_given(tmp_path, monkeypatch):
              "x" * 300: f"cannot write {'x' * 300}: file name too long",
              str(tmp_path / "f"): "f already exists; choose a new file name"}
     for given, message in cases.items():
-        with pytest.raises(mm.LabError) as caught:
-            mm.write_new_json(given, {})
+        with pytest.raises(LabError) as caught:
+            write_new_json(given, {})
         assert str(caught.value) == message
     assert sorted(os.listdir(".")) == ["f"]
 
 
 def test_display_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert mm.display_path("a/b.json") == "a/b.json"
-    assert mm.display_path(tmp_path / "a" / "b.json") == os.path.join("a", "b.json")
-    assert mm.display_path("/elsewhere/b.json") == "/elsewhere/b.json"
-    assert mm.display_path(Path("../x.json")) == "../x.json"
+    assert display_path("a/b.json") == "a/b.json"
+    assert display_path(tmp_path / "a" / "b.json") == os.path.join("a", "b.json")
+    assert display_path("/elsewhere/b.json") == "/elsewhere/b.json"
+    assert display_path(Path("../x.json")) == "../x.json"
 
 
 # ------------------------------------------------------------------ numbers
 @pytest.mark.parametrize("text, value", [("0", 0), ("7", 7), ("007", 7), ("9" * 1000, int("9" * 1000))])
 def test_parse_whole_accepts_ascii_digits(text, value):
-    assert mm.parse_whole(text, "--n") == value
+    assert parse_whole(text, "--n") == value
 
 
 @pytest.mark.parametrize("text", ["", " 1", "1 ", "+1", "-1", "1_0", "\u0661", "\uff11", "1.0", "1e3", "0x1",
                                   "nan", "\u00b2", "1\n", "9" * 1001])
 def test_parse_whole_refuses(text):
     started = time.monotonic()
-    with pytest.raises(mm.LabError, match="^--n "):
-        mm.parse_whole(text, "--n")
+    with pytest.raises(LabError, match="^--n "):
+        parse_whole(text, "--n")
     assert time.monotonic() - started < 0.1
 
 
 def test_parse_whole_bounds_and_4300_digits_fast():
-    with pytest.raises(mm.LabError, match=r"^--n must be at most 10, got 11$"):
-        mm.parse_whole("11", "--n", 0, 10)
-    with pytest.raises(mm.LabError, match=r"^--n must be >= 3, got 2$"):
-        mm.parse_whole("2", "--n", 3)
+    with pytest.raises(LabError, match=r"^--n must be at most 10, got 11$"):
+        parse_whole("11", "--n", 0, 10)
+    with pytest.raises(LabError, match=r"^--n must be >= 3, got 2$"):
+        parse_whole("2", "--n", 3)
     started = time.monotonic()
-    with pytest.raises(mm.LabError, match="4300 characters; at most 1000 digits"):
-        mm.parse_whole("9" * 4300, "--n")
+    with pytest.raises(LabError, match="4300 characters; at most 1000 digits"):
+        parse_whole("9" * 4300, "--n")
     assert time.monotonic() - started < 0.1
 
 
 @pytest.mark.parametrize("text, value", [("0", 0.0), ("1.5", 1.5), (".5", 0.5), ("4.", 4.0)])
 def test_parse_decimal(text, value):
-    assert mm.parse_decimal(text, "--g") == value
+    assert parse_decimal(text, "--g") == value
 
 
 @pytest.mark.parametrize("text", ["", "nan", "inf", "-1", "1e3", "+1", "1,5", "\u0661", "1.2.3", " 1"])
 def test_parse_decimal_refuses(text):
-    with pytest.raises(mm.LabError, match="^--g "):
-        mm.parse_decimal(text, "--g")
+    with pytest.raises(LabError, match="^--g "):
+        parse_decimal(text, "--g")
 
 
 def test_csv_text_neutralises_formulas_and_keeps_numbers():
-    text = mm.csv_text(["name", "value"], [["=1+1", -3], ["+a", 2.5], ["-x", None], ["@y", 0], ["\tz", True],
+    text = csv_text(["name", "value"], [["=1+1", -3], ["+a", 2.5], ["-x", None], ["@y", 0], ["\tz", True],
                                            ["\rw", "ok"], ["plain, with comma", "-3"]])
     assert text == ("name,value\n'=1+1,-3\n'+a,2.5\n'-x,\n'@y,0\n'\tz,True\n\"'\rw\",ok\n"
                     "\"plain, with comma\",'-3\n")
-    assert mm.csv_text(["a"], [["x\ny"], ["x\ry"]]) == 'a\n"x\ny"\n"x\ry"\n'
+    assert csv_text(["a"], [["x\ny"], ["x\ry"]]) == 'a\n"x\ny"\n"x\ry"\n'
 
 
 # ------------------------------------------------------------ schema agreement
@@ -662,23 +669,23 @@ AGREEMENT = [
 
 def test_schema_file_is_the_module_schema():
     on_disk = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text(encoding="utf-8"))
-    assert on_disk == json.loads(json.dumps(mm.MEASUREMENT_SCHEMA))
+    assert on_disk == json.loads(json.dumps(MEASUREMENT_SCHEMA))
     jsonschema.Draft202012Validator.check_schema(on_disk)
 
 
 @pytest.mark.parametrize("name, document, valid", AGREEMENT, ids=[case[0] for case in AGREEMENT])
 def test_stdlib_validator_agrees_with_jsonschema(name, document, valid):
-    validator = jsonschema.Draft202012Validator(json.loads(json.dumps(mm.MEASUREMENT_SCHEMA)))
+    validator = jsonschema.Draft202012Validator(json.loads(json.dumps(MEASUREMENT_SCHEMA)))
     assert validator.is_valid(document) is valid
-    assert (mm.measurement_problems(document) == []) is valid
+    assert (measurement_problems(document) == []) is valid
 
 
 def test_read_measurement_names_file_and_json_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("d").mkdir()
     Path("d/m.json").write_text(json.dumps(mutated(set_path(["phases", 3, "peak_reserved_bytes"], -1))))
-    with pytest.raises(mm.LabError) as caught:
-        mm.read_measurement("d/m.json")
+    with pytest.raises(LabError) as caught:
+        read_measurement("d/m.json")
     assert str(caught.value) == "d/m.json: $.phases[3].peak_reserved_bytes: must be at least 0, got -1"
     Path("d/t.json").write_text(json.dumps(transformers_document()))
-    assert mm.read_measurement(tmp_path / "d" / "t.json")["configuration"]["kind"] == "transformers"
+    assert read_measurement(tmp_path / "d" / "t.json")["configuration"]["kind"] == "transformers"

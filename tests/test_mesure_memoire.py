@@ -1,7 +1,8 @@
 """CPU tests of mesure_memoire: estimate, environment, CLI errors, file safety, predict.
 
-Every test taking `mm` or `mm_script` runs twice: on lab_helpers/mesure_memoire.py and on
-the copy inlined in notebooks/mesure-memoire.ipynb."""
+Every test taking `mm` runs twice: on the generated lab_helpers/mesure_memoire.py and on the
+generated cells of notebooks/mesure-memoire.ipynb; one taking `mm_script` or `mm_program` runs the
+standalone file and the package's own entry (lab_helpers.synthetic.commands)."""
 import json
 import math
 import shutil
@@ -400,12 +401,12 @@ def test_estimate_bounds_keep_figures_finite(mm):
     ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total capacity)", "out_of_memory"),
     ("CUDA error: an illegal memory access was encountered", "cuda_error"),
 ])
-def test_failure_report_is_written_on_exit_3(mm, tmp_path, monkeypatch, capsys, error, reason):
+def test_failure_report_is_written_on_exit_3(mm_program, tmp_path, monkeypatch, capsys, error, reason):
     def failing_measure(config):
-        raise mm.PhaseError("cold_forward", RuntimeError(error + "\nCUDA kernel errors might be reported later"))
-    monkeypatch.setattr(mm, "measure", failing_measure)
+        raise mm_program.PhaseError("cold_forward", RuntimeError(error + "\nCUDA kernel errors might be reported later"))
+    monkeypatch.setattr(mm_program, "measure", failing_measure)
     monkeypatch.chdir(tmp_path)
-    assert mm.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 3
+    assert mm_program.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "phase cold_forward failed" in err and "failure report: failure.json" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["failure.json"]
@@ -414,11 +415,11 @@ def test_failure_report_is_written_on_exit_3(mm, tmp_path, monkeypatch, capsys, 
         "message": f"RuntimeError: {error}"}
 
 
-def test_failure_report_path_checked_before_measuring(mm, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(mm, "measure", lambda config: pytest.fail("measured despite a taken report path"))
+def test_failure_report_path_checked_before_measuring(mm_program, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mm_program, "measure", lambda config: pytest.fail("measured despite a taken report path"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "failure.json").write_text("keep")
-    assert mm.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 2
+    assert mm_program.main(["measure", "--output", "m.json", "--failure-report", "failure.json"]) == 2
     assert capsys.readouterr().err == "mesure_memoire: error: failure.json already exists; choose a new file name\n"
     assert (tmp_path / "failure.json").read_text() == "keep" and not (tmp_path / "m.json").exists()
 
@@ -482,15 +483,6 @@ def test_environment_measures_usable_memory_before_touching_the_device(mm, monke
     order.clear()
     got = mm.environment("cuda:1", usable_memory_figure=False, usable_memory_probe=probe)
     assert not [step for step in order if step[0] == "probe"] and got["usable_memory_bytes"] is None
-
-
-@pytest.mark.parametrize("source", ["lab_helpers/runs.py", "lab_helpers/plots.py", "benchmarks/forward_vs_bare.py"])
-def test_other_modules_import_only_public_names(source):
-    import ast
-    tree = ast.parse((ROOT / source).read_text(encoding="utf-8"))
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-             and node.module == "lab_helpers.mesure_memoire" for alias in node.names]
-    assert names and not [name for name in names if name.startswith("_")]
 
 
 def test_benchmark_refuses_bad_flags_in_one_line(tmp_path):

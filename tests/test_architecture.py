@@ -1,0 +1,155 @@
+"""The package's layout holds: one home per concern, no cycle, public names only across modules, one
+of each shared piece, generated standalone files that match their sources and run alone."""
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from lab_helpers.build import bundle
+
+MAX_MODULE_LINES = 800
+GENERATED = {target.path for target in bundle.STANDALONE}
+PACKAGE_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "lab_helpers").rglob("*.py"))
+ENTRY_MODULES = [path for path in PACKAGE_FILES if path.count("/") == 1 and path not in GENERATED
+                 and not path.endswith("__init__.py")]
+MODULES = [path for path in PACKAGE_FILES if path not in GENERATED and path not in ENTRY_MODULES
+           and not path.endswith("__init__.py")]
+
+
+def tree_of(path: str):
+    return ast.parse((ROOT / path).read_text(encoding="utf-8"))
+
+
+def package_imports(path: str):
+    for node in ast.walk(tree_of(path)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lab_helpers"):
+            yield node
+
+
+def test_the_standalone_files_are_the_ones_the_kit_ships():
+    assert GENERATED == {"lab_helpers/mesure_memoire.py", "lab_helpers/calcul_forfaits.py"}
+
+
+@pytest.mark.parametrize("path", MODULES)
+def test_no_hand_written_module_is_over_800_lines(path):
+    lines = (ROOT / path).read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_MODULE_LINES, f"{path}: {lines} lines"
+
+
+def test_the_package_has_no_import_cycle():
+    order = bundle.closure(MODULES)  # raises BundleError naming the cycle
+    assert sorted(order) == sorted(MODULES)
+
+
+@pytest.mark.parametrize("path", MODULES + ENTRY_MODULES)
+def test_modules_import_public_names_of_module_files_only(path):
+    for node in package_imports(path):
+        assert not node.module.split(".")[-1].startswith("_"), (path, node.module)
+        assert bundle.module_path(node.module) in MODULES, f"{path} imports {node.module}, not a package module"
+        private = [alias.name for alias in node.names if alias.name.startswith("_")]
+        assert not private, f"{path} imports private names {private} from {node.module}"
+
+
+@pytest.mark.parametrize("path", MODULES + ENTRY_MODULES)
+def test_no_inlining_leaks_in_library_code(path):
+    text = (ROOT / path).read_text(encoding="utf-8")
+    for leak in ("# >>> library only", "importlib", 'sys.modules["__main__"]', "globals().get(", "linecache",
+                 "args.command =="):
+        assert leak not in text, f"{path} holds {leak!r}"
+
+
+@pytest.mark.parametrize("pattern, home", [
+    (r"class \w+\((?:argparse\.)?ArgumentParser\)", "lab_helpers/core/cli.py"),
+    (r"except BrokenPipeError", "lab_helpers/core/cli.py"),
+    (r"O_NONBLOCK", "lab_helpers/core/files.py"),
+    (r"def error\(self, message\)", "lab_helpers/core/cli.py"),
+])
+def test_one_of_each_shared_piece(pattern, home):
+    found = [path for path in MODULES + ENTRY_MODULES if re.search(pattern, (ROOT / path).read_text(encoding="utf-8"))]
+    assert found == [home]
+
+
+@pytest.mark.parametrize("path", ENTRY_MODULES)
+def test_entry_modules_only_start_a_main(path):
+    tree = tree_of(path)
+    body = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    imports = [node for node in body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    others = [node for node in body if node not in imports]
+    assert [alias.name for node in imports for alias in node.names] == ["sys", "main"]
+    assert len(others) == 1 and isinstance(others[0], ast.If)
+    assert ast.unparse(others[0]) == "if __name__ == '__main__':\n    sys.exit(main())"
+
+
+@pytest.mark.parametrize("path", MODULES + ENTRY_MODULES)
+def test_nothing_imports_a_generated_file(path):
+    for node in package_imports(path):
+        assert bundle.module_path(node.module) not in GENERATED, f"{path} imports {node.module}"
+
+
+def test_generated_files_match_the_package():
+    assert bundle.build(check=True) == []
+
+
+@pytest.mark.parametrize("target", bundle.STANDALONE, ids=lambda t: t.path)
+def test_generated_files_say_where_to_edit_and_import_only_the_standard_library(target):
+    text = (ROOT / target.path).read_text(encoding="utf-8")
+    assert text.startswith(bundle.STANDALONE_BANNER)
+    sources = bundle.closure(target.roots)
+    for source in sources:
+        assert f"\n{bundle.SECTION_MARKER.format(source=source)}" in text
+    top = [node for node in ast.parse(text).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    modules = {alias.name.split(".")[0] for node in top if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in top if isinstance(node, ast.ImportFrom)}
+    assert modules and modules <= set(sys.stdlib_module_names), modules - set(sys.stdlib_module_names)
+
+
+@pytest.mark.parametrize("target", bundle.STANDALONE, ids=lambda t: t.path)
+def test_generated_files_run_alone_in_an_empty_folder(target, tmp_path):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "script.py").write_bytes((ROOT / target.path).read_bytes())
+    proc = subprocess.run([sys.executable, "-I", "script.py", "--help"], cwd=alone, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: ") and proc.stderr == ""
+    assert sorted(p.name for p in alone.iterdir()) == ["script.py"]
+
+
+@pytest.mark.parametrize("case, code, problem", [
+    ("alias", "from lab_helpers.core.files import display_path as shown\n", "no alias"),
+    ("package import", "import lab_helpers.core.files\n", "cannot be bundled"),
+    ("star", "from lab_helpers.core.files import *\n", "no star"),
+    ("not a module", "from lab_helpers.nowhere import x\n", "not a module file"),
+])
+def test_the_bundler_refuses_what_it_cannot_drop(tmp_path, case, code, problem):
+    (tmp_path / "lab_helpers").mkdir()
+    (tmp_path / "lab_helpers" / "root.py").write_text(code, encoding="utf-8")
+    with pytest.raises(bundle.BundleError, match=problem):
+        bundle.closure(["lab_helpers/root.py"], tmp_path)
+
+
+def test_the_bundler_refuses_a_cycle_and_a_name_defined_twice(tmp_path):
+    package = tmp_path / "lab_helpers"
+    package.mkdir()
+    (package / "a.py").write_text("from lab_helpers.b import y\nx = 1\n", encoding="utf-8")
+    (package / "b.py").write_text("from lab_helpers.a import x\ny = 2\n", encoding="utf-8")
+    with pytest.raises(bundle.BundleError, match="import cycle: lab_helpers/a.py -> lab_helpers/b.py -> lab_helpers/a.py"):
+        bundle.closure(["lab_helpers/a.py"], tmp_path)
+    (package / "b.py").write_text("y = 2\ndef x():\n    pass\n", encoding="utf-8")
+    (package / "a.py").write_text("from lab_helpers.b import y\nx = 1\n", encoding="utf-8")
+    sections = [(source, bundle.section_code(source, tmp_path)[1]) for source in bundle.closure(["lab_helpers/a.py"], tmp_path)]
+    with pytest.raises(bundle.BundleError, match="x is defined at top level in both lab_helpers/b.py and lab_helpers/a.py"):
+        bundle.check_unique(sections)
+
+
+def test_a_dropped_import_alone_in_its_block_leaves_pass(tmp_path):
+    package = tmp_path / "lab_helpers"
+    package.mkdir()
+    (package / "a.py").write_text('"""A."""\ndef f():\n    from lab_helpers.b import g\n\n\n'
+                                  'def h():\n    if True:\n        from lab_helpers.b import g\n    return g()\n',
+                                  encoding="utf-8")
+    docstring, code = bundle.section_code("lab_helpers/a.py", tmp_path)
+    assert docstring == "A."
+    assert code == "def f():\n    pass\n\n\ndef h():\n    if True:\n        pass\n    return g()"
