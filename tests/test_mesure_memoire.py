@@ -212,8 +212,14 @@ def test_environment_reads_no_host_or_user_name(mm, monkeypatch):
     assert "canary" not in text
 
 
-def test_module_source_never_reads_private_sources(mm_script):
-    source = Path(mm_script).read_text()
+@pytest.mark.parametrize("where", ["standalone", "package"])
+def test_module_source_never_reads_private_sources(where):
+    if where == "standalone":
+        source = (ROOT / "lab_helpers" / "mesure_memoire.py").read_text(encoding="utf-8")
+    else:  # every module the standalone file bundles
+        from lab_helpers.build.bundle import closure
+        source = "\n".join((ROOT / path).read_text(encoding="utf-8")
+                           for path in closure(["lab_helpers/synthetic/commands.py"]))
     # the one environment read: torchrun's own variables, by name, for a tensor-parallel run
     launcher_read = ("{name: os.environ[name] for name in (*LAUNCHER_VARIABLES, *STORE_VARIABLES) "
                      "if name in os.environ}")
