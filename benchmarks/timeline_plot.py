@@ -21,7 +21,12 @@ from pathlib import Path
 BEGAN = time.perf_counter()
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lab_helpers import timeline as tl  # noqa: E402
+from lab_helpers.allocator.history import TIMELINE_ACTIONS, TIMELINE_KIND  # noqa: E402
+from lab_helpers.core.cli import CommandParser  # noqa: E402
+from lab_helpers.core.files import write_new_bytes  # noqa: E402
+from lab_helpers.core.numbers import MIB  # noqa: E402
+from lab_helpers.measurement.schema import SCHEMA_VERSION  # noqa: E402
+from lab_helpers.views.timeline import ALLOC, FREE, SEGMENT_ALLOC, load_timeline, render_png  # noqa: E402
 
 MAX_SECONDS = 5.0
 MAX_RSS_BYTES = 2**30
@@ -49,7 +54,7 @@ def synthetic_timeline(events: int = 1_000_000, seed: int = 0) -> dict:
     if events < WEIGHTS + SLOTS + 1:
         raise ValueError(f"events must be at least {WEIGHTS + SLOTS + 1}")
     rng = np.random.default_rng(seed)
-    mib = tl.MIB
+    mib = MIB
     pairs = (events - 1 - WEIGHTS - SLOTS) // 2
     extra = (events - 1 - WEIGHTS - SLOTS) % 2  # one trailing segment_alloc keeps the count exact
     weight_sizes = np.array([256, 128, 64, 32], dtype=np.int64)[:WEIGHTS] * mib
@@ -62,16 +67,16 @@ def synthetic_timeline(events: int = 1_000_000, seed: int = 0) -> dict:
     weight_addr = base + np.cumsum(np.concatenate(([0], weight_sizes[:-1])))
     slot_addr = base + (1 << 32) + np.arange(SLOTS, dtype=np.int64) * (128 * mib)
     segment = int(weight_sizes.sum() + SLOTS * 128 * mib)
-    action = [np.array([tl.SEGMENT_ALLOC]), np.full(WEIGHTS, tl.ALLOC), np.full(SLOTS, tl.ALLOC)]
+    action = [np.array([SEGMENT_ALLOC]), np.full(WEIGHTS, ALLOC), np.full(SLOTS, ALLOC)]
     address = [np.array([base]), weight_addr, slot_addr]
     size = [np.array([segment]), weight_sizes, act_sizes[:SLOTS]]
     j = np.arange(SLOTS, activations)
     pair_action = np.empty(2 * pairs, dtype=np.int64)
-    pair_action[0::2], pair_action[1::2] = tl.FREE, tl.ALLOC
+    pair_action[0::2], pair_action[1::2] = FREE, ALLOC
     pair_address = np.repeat(slot_addr[j % SLOTS], 2)
     pair_size = np.empty(2 * pairs, dtype=np.int64)
     pair_size[0::2], pair_size[1::2] = act_sizes[j - SLOTS], act_sizes[j]
-    action += [pair_action, np.full(extra, tl.SEGMENT_ALLOC)]
+    action += [pair_action, np.full(extra, SEGMENT_ALLOC)]
     address += [pair_address, np.full(extra, base + (1 << 36))]
     size += [pair_size, np.full(extra, 2 * mib)]
     action, address, size = (np.concatenate(c).astype(np.int64) for c in (action, address, size))
@@ -84,8 +89,8 @@ def synthetic_timeline(events: int = 1_000_000, seed: int = 0) -> dict:
     label = [None] * events
     for k in range(1, 1 + WEIGHTS):
         label[k] = "weights"
-    return {"kind": tl.TIMELINE_KIND, "schema_version": tl.SCHEMA_VERSION, "device": "cuda:0",
-            "time_origin_us": 0, "actions": list(tl.ACTIONS), "initial_allocated_bytes": 0,
+    return {"kind": TIMELINE_KIND, "schema_version": SCHEMA_VERSION, "device": "cuda:0",
+            "time_origin_us": 0, "actions": list(TIMELINE_ACTIONS), "initial_allocated_bytes": 0,
             "initial_reserved_bytes": 0,
             "events": {"time_us": times.tolist(), "action": action.tolist(), "address": address.tolist(),
                        "size_bytes": size.tolist(), "phase": phase.tolist(), "label": label},
@@ -98,9 +103,9 @@ def load_and_plot(path, began: float) -> dict:
     import matplotlib.backends.backend_agg  # noqa: F401
     imports = time.perf_counter() - began
     start, cpu_start = time.perf_counter(), time.process_time()
-    timeline = tl.load_timeline(path, max_bytes=2**31, check=False)  # plot_timeline validates it
+    timeline = load_timeline(path, max_bytes=2**31, check=False)  # plot_timeline validates it
     loaded = time.perf_counter()
-    png = tl.render_png(timeline)
+    png = render_png(timeline)
     done, cpu_done = time.perf_counter(), time.process_time()
     return {"import_seconds": imports, "load_seconds": loaded - start, "plot_seconds": done - loaded, "total_seconds": done - start,
             "cpu_seconds": cpu_done - cpu_start,
@@ -117,7 +122,7 @@ def measure(path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = tl.CommandParser(prog="timeline_plot", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="timeline_plot", description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=_positive_int, default=1_000_000, help="events in the synthetic timeline (default 1000000)")
     parser.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the synthetic sizes and times (default 0)")
     parser.add_argument("--png", default=None, help="also keep the plot in this new PNG file")
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
         file_bytes = path.stat().st_size
         result = measure(path)
         if args.png:
-            tl.write_new_bytes(args.png, tl.render_png(tl.load_timeline(path, max_bytes=2**31)))
+            write_new_bytes(args.png, render_png(load_timeline(path, max_bytes=2**31)))
     # wall-clock is the target; CPU seconds show what contention from other processes added
     rows = [("load + plot seconds", result["total_seconds"], MAX_SECONDS),
             ("  of which CPU seconds", result["cpu_seconds"], MAX_SECONDS),

@@ -3,8 +3,12 @@ import re
 
 import pytest
 
-from lab_helpers import sweep
-from lab_helpers.mesure_memoire import MeasureConfig, predict, read_measurement
+from lab_helpers.core.numbers import MIB
+from lab_helpers.measurement.schema import read_measurement
+from lab_helpers.synthetic.network import MeasureConfig
+from lab_helpers.synthetic.predict import predict
+from lab_helpers.views import sweep
+from lab_helpers.views.sweep_commands import main
 
 pytestmark = pytest.mark.gpu
 
@@ -13,7 +17,6 @@ CONFIG = MeasureConfig(context=16, width=256, dtype="float32", warmup=1, repeats
 # about 1.1 GiB per batch on top of 1 GiB of weights: a few points reach an H200's memory
 LARGE = MeasureConfig(context=8192, width=8192, dtype="bfloat16", warmup=0, repeats=1)
 TINY_BUDGET_GIB = 2**-30  # one byte: no point can fit
-MIB = 2**20
 
 
 def test_real_three_point_sweep_with_the_default_budget_matches_the_prediction(tmp_path):
@@ -35,8 +38,8 @@ def test_real_three_point_sweep_with_the_default_budget_matches_the_prediction(t
 
 def test_tiny_budget_stops_before_running(tmp_path, capsys):
     out = tmp_path / "balayage-tiny"
-    status = sweep.main(["--dimension", "batch", "--values", "1", "2", "--width", "256",
-                         "--budget-gib", "0.000000001", "--output-dir", str(out)])
+    status = main(["--dimension", "batch", "--values", "1", "2", "--width", "256",
+                   "--budget-gib", "0.000000001", "--output-dir", str(out)])
     assert status == 0
     assert [p.name for p in out.iterdir()] == ["summary.csv"]
     (row,) = sweep.read_summary(out / "summary.csv")
@@ -48,7 +51,7 @@ def test_tiny_budget_stops_before_running(tmp_path, capsys):
 def test_default_budget_is_the_usable_memory_and_the_predicted_limit_runs(tmp_path):
     """No --budget-gib: the sweep reads usable_memory_bytes, bisects on the prediction, and the largest
     value predicted to fit that budget really runs on the GPU, while the next one is refused."""
-    report = sweep.read_environment(sweep.measuring_program(tmp_path), "cuda:0")
+    report = sweep.read_environment(sweep.measuring_program(), "cuda:0")
     usable = report["usable_memory_bytes"]
     assert isinstance(usable, int) and 0 < usable <= report["total_memory_bytes"]
     out = tmp_path / "balayage-usable"
@@ -69,9 +72,9 @@ def test_default_budget_is_the_usable_memory_and_the_predicted_limit_runs(tmp_pa
 def test_real_out_of_memory_is_read_from_the_failure_report(tmp_path, capsys):
     out = tmp_path / "balayage-oom"
     # a budget far above the device: the point runs, and the GPU refuses it
-    status = sweep.main(["--dimension", "batch", "--values", "1", "512", "--context", "8192", "--width", "8192",
-                         "--dtype", "bfloat16", "--warmup", "0", "--repeats", "1", "--budget-gib", "100000",
-                         "--output-dir", str(out)])
+    status = main(["--dimension", "batch", "--values", "1", "512", "--context", "8192", "--width", "8192",
+                   "--dtype", "bfloat16", "--warmup", "0", "--repeats", "1", "--budget-gib", "100000",
+                   "--output-dir", str(out)])
     assert status == 0, capsys.readouterr().err
     rows = sweep.read_summary(out / "summary.csv")
     assert [(r["value"], r["status"]) for r in rows] == [(1, "ok"), (512, "oom")]

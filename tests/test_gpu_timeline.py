@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from lab_helpers import timeline as tl
+from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND
+from lab_helpers.views.timeline import load_timeline, phase_peaks
 
 pytestmark = pytest.mark.gpu
 SCRIPT = ROOT / "lab_helpers" / "mesure_memoire.py"
@@ -34,8 +35,8 @@ def test_timeline_peaks_equal_the_measurement_in_every_phase(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "t.json"]
     measurement = json.loads((tmp_path / "m.json").read_text())
-    timeline = tl.load_timeline(tmp_path / "t.json")
-    peaks = tl.phase_peaks(timeline)
+    timeline = load_timeline(tmp_path / "t.json")
+    peaks = phase_peaks(timeline)
     assert [(p["phase"], p["index"]) for p in peaks] == [(p["phase"], p["index"]) for p in measurement["phases"]]
     for got, want in zip(peaks, measurement["phases"]):
         assert got["peak_allocated_bytes"] == want["peak_allocated_bytes"], (got, want)
@@ -60,7 +61,7 @@ def test_out_of_memory_with_timeline_saves_the_snapshot_and_explain_names_the_re
     assert proc.stderr.endswith("no file written; out-of-memory snapshot: t.oom.json\n"), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json"]
     document = json.loads((tmp_path / "t.oom.json").read_text())
-    assert document["kind"] == tl.OOM_SNAPSHOT_KIND and document["phase"] == "inputs"
+    assert document["kind"] == OOM_SNAPSHOT_KIND and document["phase"] == "inputs"
     assert document["failed_request_bytes"] == HUGE_INPUT_BYTES
     assert document["device_free_bytes"] < HUGE_INPUT_BYTES
     proc = run("-m", "lab_helpers.timeline", "explain", tmp_path / "t.oom.json", cwd=ROOT)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from lab_helpers import sweep
-from lab_helpers.mesure_memoire import LabError, read_measurement
+from lab_helpers.core.errors import LabError
+from lab_helpers.measurement.schema import read_measurement
+from lab_helpers.views import sweep
+from lab_helpers.views.sweep_commands import main
 from test_sweep import (CUDA_REASON, NO_GPU, OOM_REASON, ROOT, VISIBLE, expected_row,  # noqa: F401
                         fake)
 
@@ -26,7 +28,7 @@ LONG_NAME = "b" * 300
 
 def use(monkeypatch, program):
     """Make the command line run `program` instead of mesure_memoire.py."""
-    monkeypatch.setattr(sweep, "measuring_program", lambda workdir, measure_source=None: program.command)
+    monkeypatch.setattr(sweep, "measuring_program", lambda: program.command)
 
 
 def only_line(err: str) -> str:
@@ -96,7 +98,7 @@ def test_bad_request_exits_2_with_one_line_and_creates_nothing(tmp_path, fake, m
     program = fake("batch")
     use(monkeypatch, program)
     out = tmp_path / "out"
-    assert sweep.main(argv + ["--output-dir", str(out)]) == 2
+    assert main(argv + ["--output-dir", str(out)]) == 2
     line = only_line(capsys.readouterr().err)
     assert line.startswith("sweep: error: ") and all(fragment in line for fragment in message), line
     assert not out.exists() and program.calls() == []
@@ -124,7 +126,7 @@ def test_bad_output_dir_exits_2_naming_it_and_creates_nothing(tmp_path, fake, mo
     use(monkeypatch, program)
     out, message = folder_cases(tmp_path)[case]
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", str(out)]) == 2
+    assert main(["--dimension", "batch", "--values", "1", "--output-dir", str(out)]) == 2
     line = only_line(capsys.readouterr().err)
     assert message in line and str(out) in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before and program.calls() == []
@@ -137,7 +139,7 @@ def test_existing_output_dir_is_refused_and_left_untouched(tmp_path, fake, monke
     out = tmp_path / "b"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", str(out)]) == 2
+    assert main(["--dimension", "batch", "--values", "1", "--output-dir", str(out)]) == 2
     assert "already exists" in only_line(capsys.readouterr().err)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
@@ -162,7 +164,7 @@ def test_environment_that_cannot_sweep_exits_2_before_anything(tmp_path, fake, m
     program = fake("batch", environment=environment)
     use(monkeypatch, program)
     out = tmp_path / "out"
-    assert sweep.main(["--dimension", "batch", "--values", "1", *extra, "--output-dir", str(out)]) == 2
+    assert main(["--dimension", "batch", "--values", "1", *extra, "--output-dir", str(out)]) == 2
     line = only_line(capsys.readouterr().err)
     assert line.startswith("sweep: error: ") and message in line
     assert not out.exists() and program.calls() == []
@@ -213,7 +215,7 @@ def test_failed_point_stays_in_the_summary_and_stops_the_sweep(tmp_path, fake, m
     use(monkeypatch, program)
     out = tmp_path / "out"
     argv = ["--dimension", "batch", "--values", "1", "2", "4", "--bisect", "--json", "--output-dir", str(out)]
-    assert sweep.main(argv) == code
+    assert main(argv) == code
     captured = capsys.readouterr()
     assert captured.err == ""
     rows = sweep.read_summary(out / "summary.csv")
@@ -247,8 +249,8 @@ def test_hanging_point_is_killed_with_its_group_and_recorded_as_timeout(tmp_path
     use(monkeypatch, program)
     out = tmp_path / "out"
     started = time.monotonic()
-    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--bisect", "--point-timeout-seconds", "1",
-                       "--output-dir", str(out)]) == 1
+    assert main(["--dimension", "batch", "--values", "1", "2", "--bisect", "--point-timeout-seconds", "1",
+                 "--output-dir", str(out)]) == 1
     assert time.monotonic() - started < 20
     assert capsys.readouterr().err == ""
     assert sweep.read_summary(out / "summary.csv") == [expected_row(
@@ -311,7 +313,7 @@ def test_command_line_interrupted_exits_130_with_one_line(tmp_path, fake, monkey
 
     monkeypatch.setattr(sweep, "run_child", interrupted_at_the_second_point)
     out = tmp_path / "out"
-    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--output-dir", str(out)]) == 130
+    assert main(["--dimension", "batch", "--values", "1", "2", "--output-dir", str(out)]) == 130
     assert only_line(capsys.readouterr().err) == (
         f"sweep: interrupted; {out / 'summary.csv'} holds the points that finished")
     assert sweep.read_summary(out / "summary.csv") == [expected_row("batch", 1, "ok")]
@@ -349,7 +351,7 @@ PYTHON_CASES = [
     ("timeout-negative", dict(values=[1], point_timeout_seconds=-1), "point timeout"),
     ("timeout-nan", dict(values=[1], point_timeout_seconds=float("nan")), "point timeout"),
     ("config-not-a-config", dict(values=[1], config={"batch": 1}), "MeasureConfig"),
-    ("source-not-text", dict(values=[1], measure_source=b"print()"), "measure_source"),
+    ("command-bytes", dict(values=[1], measure_command=b"print()"), "measure_command"),
     ("command-a-string", dict(values=[1], measure_command="python mesure_memoire.py"), "measure_command"),
     ("command-empty", dict(values=[1], measure_command=[]), "measure_command"),
     ("command-not-text", dict(values=[1], measure_command=[sys.executable, 3]), "measure_command"),
@@ -405,7 +407,7 @@ def test_output_dir_shown_as_given(tmp_path, fake, monkeypatch, capsys, given):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").mkdir()
     given = given.format(cwd=tmp_path)
-    assert sweep.main(["--dimension", "batch", "--values", "1", "--output-dir", given]) == 2
+    assert main(["--dimension", "batch", "--values", "1", "--output-dir", given]) == 2
     line = only_line(capsys.readouterr().err)
     assert line in (f"sweep: error: {given} already exists; choose a new folder",
                     f"sweep: error: cannot create {given}: its parent folder does not exist")

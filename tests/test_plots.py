@@ -1,14 +1,35 @@
 """plots: tables and figures of a document with a measurement's layout (library and notebook copy)."""
 import json
+import types
 
 import matplotlib
 import pytest
 
 from conftest import ROOT, full_measurement
+from lab_helpers.build.bundle import closure, section_code
 
 matplotlib.use("Agg")
 
 MIB = 2**20
+
+
+def notebook_module(roots, name="notebook_cells"):
+    """What a notebook's kernel defines once its generated cells for `roots` have run: the bundler's
+    sections (each module `roots` need, package imports dropped) executed in one namespace."""
+    module = types.ModuleType(name)
+    for index, source in enumerate(closure(list(roots))):
+        code = section_code(source, notebook=True)[1]
+        exec(compile(code, f"/tmp/ipykernel_0/cell-{index}-{name}.py", "exec"), module.__dict__)
+    return module
+
+
+@pytest.fixture(scope="module", params=("library", "notebook"))
+def plots(request):
+    """The plots module: the library's, or the notebook's copy of it (its generated cells)."""
+    if request.param == "library":
+        from lab_helpers.views import plots as library_plots
+        return library_plots
+    return notebook_module(["lab_helpers/views/plots.py"])
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +124,7 @@ def model_and_plots(request, tmp_path_factory):
     """(module with predict_model, module with plot_bytes_by_kind): the library's, or what the
     real-model notebook's kernel has defined once its plots cell has run (one namespace)."""
     if request.param == "library":
-        from lab_helpers import plots as library_plots
+        from lab_helpers.views import plots as library_plots
         from lab_helpers import real_model
         return real_model, library_plots
     from conftest import load_module
@@ -242,7 +263,7 @@ def where_the_bytes_go_cell() -> str:
 
 @pytest.mark.parametrize("measured", (False, True), ids=("no-gpu", "measured"))
 def test_the_notebook_cell_says_when_no_gpu_measured_and_draws_the_prediction(measured, tiny_prediction, capsys):
-    from lab_helpers import plots as library_plots
+    from lab_helpers.views import plots as library_plots
     measurement = real_measurement_of(tiny_prediction) if measured else None
     scope = {"prediction": tiny_prediction, "measurement": measurement,
              "plot_bytes_by_kind": library_plots.plot_bytes_by_kind}

@@ -9,8 +9,11 @@ import pytest
 
 matplotlib.use("Agg")
 
-from lab_helpers import runs  # noqa: E402
-from lab_helpers.mesure_memoire import MeasureConfig, predict  # noqa: E402
+from lab_helpers.core.errors import LabError  # noqa: E402
+from lab_helpers.synthetic.network import MeasureConfig  # noqa: E402
+from lab_helpers.synthetic.predict import predict  # noqa: E402
+from lab_helpers.views import runs  # noqa: E402
+from lab_helpers.views.runs_commands import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text(encoding="utf-8"))
@@ -126,13 +129,13 @@ def test_same_stem_twice_and_non_measurement_are_refused(tmp_path, files):
         runs.load_runs([files[0], twin])
     bad = tmp_path / "prediction.json"
     bad.write_text(json.dumps(predict(MeasureConfig())))
-    with pytest.raises(runs.LabError, match=r"prediction.json: \$: lacks the required key 'environment'"):
+    with pytest.raises(LabError, match=r"prediction.json: \$: lacks the required key 'environment'"):
         runs.load_runs([bad])
 
 
 def test_cli_prints_tables_and_writes_new_csv(tmp_path, files, capsys):
     out = tmp_path / "runs.csv"
-    assert runs.main([*map(str, files), "--csv", str(out)]) == 0
+    assert main([*map(str, files), "--csv", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "warm forward throughput:" in printed and "NVIDIA H200" in printed and "warm_forward #2" in printed
     back = pd.read_csv(out)
@@ -143,14 +146,14 @@ def test_cli_prints_tables_and_writes_new_csv(tmp_path, files, capsys):
 def test_cli_refuses_to_overwrite_csv(tmp_path, files, capsys):
     out = tmp_path / "runs.csv"
     out.write_text("keep")
-    assert runs.main([*map(str, files), "--csv", str(out)]) == 2
+    assert main([*map(str, files), "--csv", str(out)]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and err.count("\n") == 1
     assert out.read_text() == "keep"
 
 
 def test_cli_missing_file_exits_2(tmp_path, capsys):
-    assert runs.main([str(tmp_path / "absent.json")]) == 2
+    assert main([str(tmp_path / "absent.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
 
@@ -194,7 +197,7 @@ def test_csv_cells_cannot_start_a_formula(tmp_path, files):
     hostile = tmp_path / "hostile.json"
     hostile.write_text(json.dumps(document))
     out = tmp_path / "runs.csv"
-    assert runs.main([str(hostile), "--csv", str(out)]) == 0
+    assert main([str(hostile), "--csv", str(out)]) == 0
     lines = out.read_text(encoding="utf-8").splitlines()
     first = lines[1].split(",")
     header = lines[0].split(",")
@@ -206,11 +209,11 @@ def test_csv_cells_cannot_start_a_formula(tmp_path, files):
 
 def test_plot_option_writes_a_new_png_once(tmp_path, files, capsys):
     out = tmp_path / "runs.png"
-    assert runs.main([*map(str, files), "--plot", str(out), "--counter", "peak_reserved_bytes"]) == 0
+    assert main([*map(str, files), "--plot", str(out), "--counter", "peak_reserved_bytes"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     before = out.read_bytes()
     capsys.readouterr()
-    assert runs.main([*map(str, files), "--plot", str(out)]) == 2
+    assert main([*map(str, files), "--plot", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err and out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h100", "h200", "runs.png"]
@@ -222,7 +225,7 @@ def test_missing_optional_package_names_make_lab(tmp_path, files, module):
     import sys
     out = tmp_path / "runs.png"
     code = (f"import sys; sys.modules[{module!r}] = None; sys.path.insert(0, {str(ROOT)!r}); "
-            "from lab_helpers import runs; sys.exit(runs.main(sys.argv[1:]))")
+            "from lab_helpers.views.runs_commands import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, *map(str, files), "--plot", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr

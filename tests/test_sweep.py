@@ -1,6 +1,6 @@
 """The sweep, driven through a fake measuring program (no GPU needed)."""
 import json
-import linecache
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -12,9 +12,13 @@ import pytest
 
 matplotlib.use("Agg")
 
-from lab_helpers import notebook_sync  # noqa: E402
-from lab_helpers import sweep  # noqa: E402
-from lab_helpers.mesure_memoire import GIB, MeasureConfig, predict, read_measurement  # noqa: E402
+from lab_helpers.build.bundle import closure, section_code  # noqa: E402
+from lab_helpers.core.numbers import GIB  # noqa: E402
+from lab_helpers.measurement.schema import read_measurement  # noqa: E402
+from lab_helpers.synthetic.network import MeasureConfig  # noqa: E402
+from lab_helpers.synthetic.predict import predict  # noqa: E402
+from lab_helpers.views import sweep  # noqa: E402
+from lab_helpers.views.sweep_commands import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "lab_helpers" / "measurement.schema.json").read_text(encoding="utf-8"))
@@ -108,7 +112,8 @@ if mode == "noisy":
     print("=last " + "x" * 1000, file=sys.stderr)
     sys.exit(1)
 sys.path.insert(0, B["root"])
-from lab_helpers.mesure_memoire import MeasureConfig, predict
+from lab_helpers.synthetic.network import MeasureConfig
+from lab_helpers.synthetic.predict import predict
 names = ("batch", "context", "width", "hidden", "warmup", "repeats", "seed")
 config = MeasureConfig(device=flags["--device"], dtype=flags["--dtype"], **{n: int(flags["--" + n]) for n in names})
 if mode == "wrong_config":
@@ -376,9 +381,9 @@ def test_plot_draws_a_confirmed_value_once(tmp_path, fake):
 
 def test_cli_plot_writes_png_and_prints_a_table(tmp_path, fake, monkeypatch, capsys):
     program = fake("batch")
-    monkeypatch.setattr(sweep, "measuring_program", lambda workdir, measure_source=None: program.command)
+    monkeypatch.setattr(sweep, "measuring_program", lambda: program.command)
     out = tmp_path / "b"
-    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--plot", "--output-dir", str(out)]) == 0
+    assert main(["--dimension", "batch", "--values", "1", "2", "--plot", "--output-dir", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "batch-2.json", "summary.csv", "sweep.png"]
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out.splitlines()
@@ -388,65 +393,95 @@ def test_cli_plot_writes_png_and_prints_a_table(tmp_path, fake, monkeypatch, cap
 
 def test_cli_json_output_is_the_summary(tmp_path, fake, monkeypatch, capsys):
     program = fake("batch", fail_above=1, mode="oom")
-    monkeypatch.setattr(sweep, "measuring_program", lambda workdir, measure_source=None: program.command)
+    monkeypatch.setattr(sweep, "measuring_program", lambda: program.command)
     out = tmp_path / "b"
-    assert sweep.main(["--dimension", "batch", "--values", "1", "2", "--json", "--output-dir", str(out)]) == 0
+    assert main(["--dimension", "batch", "--values", "1", "2", "--json", "--output-dir", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == {"rows": sweep.read_summary(out / "summary.csv"), "largest_fit": 1,
                        "summary": str(out / "summary.csv")}
 
 
-def test_library_runs_the_measuring_file_on_disk(tmp_path):
-    assert sweep.measuring_program(tmp_path) == [sys.executable, str(ROOT / "lab_helpers" / "mesure_memoire.py")]
-    assert list(tmp_path.iterdir()) == []
+MEASURING_FILE = ROOT / "lab_helpers" / "mesure_memoire.py"
 
 
-# ------------------------------------------------------------ notebook alone
-def run_as_notebook_cells(register=True) -> dict:
+def test_library_runs_the_generated_measuring_file(tmp_path):
+    """The child is this Python on the checkout's generated mesure_memoire.py, with -P: a json.py in the
+    folder it runs in is never imported, and its output is read."""
+    program = sweep.measuring_program()
+    assert program == [sys.executable, "-P", str(MEASURING_FILE)]
+    (tmp_path / "json.py").write_text("raise SystemExit('the folder json.py was imported')\n", encoding="utf-8")
+    result = subprocess.run([*program, "predict", "--batch", "3", "--width", "32"], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == predict(MeasureConfig(batch=3, width=32))
+    assert [p.name for p in tmp_path.iterdir()] == ["json.py"]  # the program is not copied anywhere
+
+
+# ------------------------------------------------------------ notebook form
+NOTEBOOK_ROOTS = ("lab_helpers/views/sweep.py",)
+
+
+def notebook_cells(roots=NOTEBOOK_ROOTS) -> list:
+    """The generated cells a notebook holds for `roots`: each module the bundler takes, in its notebook
+    form (package imports dropped, core.paths as a kernel sees it)."""
+    return [section_code(source, notebook=True)[1] for source in closure(list(roots))]
+
+
+def run_as_notebook_cells() -> dict:
     """Run the generated cells as a Jupyter kernel does: one namespace, no __file__, no lab_helpers
-    import, each cell compiled under its own name that the kernel keeps in linecache."""
+    import, each cell compiled under its own name that is no file on disk."""
     namespace = {"__name__": "__main__"}
-    for index, source in enumerate(notebook_sync.NOTEBOOK_SOURCES["notebooks/mesure-memoire.ipynb"]):
-        code = notebook_sync.cell_text(source)  # the cell as committed, banner included
-        name = f"/tmp/ipykernel_0/cell-{index}-{id(namespace)}.py"  # never written to disk, like the kernel's
-        if register:
-            linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
-        exec(compile(code, name, "exec"), namespace)
+    for index, code in enumerate(notebook_cells()):
+        exec(compile(code, f"/tmp/ipykernel_0/cell-{index}-{id(namespace)}.py", "exec"), namespace)
     return namespace
+
+
+def block_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lab_helpers.mesure_memoire", None)  # any such import would fail
+    monkeypatch.setitem(sys.modules, "lab_helpers", None)
+
+
+@pytest.fixture
+def notebook_in_checkout(monkeypatch):
+    """The notebook's kernel as `make lab` starts it: in the checkout's notebooks/ folder, with no
+    lab_helpers reachable."""
+    block_the_package(monkeypatch)
+    monkeypatch.chdir(ROOT / "notebooks")
 
 
 @pytest.fixture
 def notebook_alone(tmp_path, monkeypatch):
-    """The notebook's namespace with no lab_helpers reachable, in a folder without mesure_memoire.py."""
-    monkeypatch.setitem(sys.modules, "lab_helpers.mesure_memoire", None)  # any such import would fail
-    monkeypatch.setitem(sys.modules, "lab_helpers", None)
+    """The notebook's namespace with no lab_helpers reachable, downloaded into a folder of its own:
+    no checkout, so no mesure_memoire.py above it."""
+    block_the_package(monkeypatch)
     folder = tmp_path / "downloaded"
     folder.mkdir()
     monkeypatch.chdir(folder)
     return folder
 
 
-def test_notebook_alone_runs_its_own_measuring_cell(notebook_alone, tmp_path):
+def test_notebook_runs_the_generated_measuring_file(notebook_in_checkout, tmp_path):
     namespace = run_as_notebook_cells()
     assert "__file__" not in namespace
-    program = namespace["measuring_program"](tmp_path)
-    assert program == [sys.executable, str(tmp_path / "mesure_memoire.py")]
-    copied = (tmp_path / "mesure_memoire.py").read_text(encoding="utf-8")
-    assert copied.startswith(notebook_sync.cell_text("lab_helpers/mesure_memoire.py"))
+    program = namespace["measuring_program"]()
+    assert program == [sys.executable, "-P", str(MEASURING_FILE)]
+    (tmp_path / "json.py").write_text("raise SystemExit('the folder json.py was imported')\n", encoding="utf-8")
     result = subprocess.run([*program, "predict", "--batch", "3", "--width", "32"], capture_output=True,
-                            text=True, timeout=60, cwd=notebook_alone)
+                            text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == predict(MeasureConfig(batch=3, width=32))
 
 
-def test_notebook_alone_sweeps_with_a_given_source_and_removes_its_copy(notebook_alone, tmp_path):
-    namespace = run_as_notebook_cells(register=False)
-    with pytest.raises(namespace["SweepError"], match="cannot find the measuring code"):
-        namespace["measuring_program"](tmp_path)
+def test_notebook_alone_sweeps_with_a_given_command(notebook_alone, tmp_path):
+    namespace = run_as_notebook_cells()
+    with pytest.raises(namespace["SweepError"], match="cannot find the measuring program"):
+        namespace["measuring_program"]()
+    with pytest.raises(namespace["SweepError"], match="pass measure_command="):
+        namespace["run_sweep"]("batch", tmp_path / "never", values=[1], progress=False)
+    assert not (tmp_path / "never").exists()
     fake = Fake(tmp_path, "batch", fail_above=1, mode="oom")
-    source = Path(fake.command[1]).read_text(encoding="utf-8")
     out = tmp_path / "b"
-    rows = namespace["run_sweep"]("batch", out, values=[1, 2], measure_source=source, progress=False)
+    rows = namespace["run_sweep"]("batch", out, values=[1, 2], measure_command=fake.command, progress=False)
     assert rows == [expected_row("batch", 1, "ok"), expected_row("batch", 2, "oom", reason=OOM_REASON)]
     assert sorted(p.name for p in out.iterdir()) == ["batch-1.json", "summary.csv"]
     assert fake.calls() == [1, 2]
@@ -455,26 +490,26 @@ def test_notebook_alone_sweeps_with_a_given_source_and_removes_its_copy(notebook
     matplotlib.pyplot.close(ax.figure)
 
 
-def test_notebook_alone_in_a_real_kernel(tmp_path):
-    """The committed notebook's generated cells, run by a Jupyter kernel in a folder holding nothing else:
-    the sweep finds the measuring cell's text and runs it as a program."""
+def test_notebook_in_a_real_kernel(tmp_path):
+    """The generated cells, run by a Jupyter kernel in the checkout's notebooks/ folder: the sweep's
+    measuring program is the generated mesure_memoire.py, and it answers."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    committed = nbformat.read(ROOT / "notebooks" / "mesure-memoire.ipynb", as_version=4)
-    cells = [nbformat.v4.new_code_cell(cell.source) for cell in committed.cells
-             if any(t.startswith(notebook_sync.TAG_PREFIX) for t in cell.metadata.get("tags", []))]
+    cells = [nbformat.v4.new_code_cell(code) for code in notebook_cells()]
     cells.append(nbformat.v4.new_code_cell(
-        "import json, subprocess, sys, tempfile\n"
-        "work = tempfile.mkdtemp()\n"
-        "program = measuring_program(work)\n"
+        "import json, subprocess, sys\n"
+        "from pathlib import Path\n"
+        "program = measuring_program()\n"
         "answer = subprocess.run([*program, 'predict', '--batch', '3'], capture_output=True, text=True)\n"
-        "print(json.dumps({'copied': program[1].startswith(work), 'python': program[0] == sys.executable,\n"
+        "generated = Path.cwd().resolve().parent / 'lab_helpers' / 'mesure_memoire.py'\n"
+        "print(json.dumps({'generated': program[2:] == [str(generated)],\n"
+        "                  'python': program[:2] == [sys.executable, '-P'],\n"
         "                  'predict': json.loads(answer.stdout) == predict(MeasureConfig(batch=3))}))"))
-    folder = tmp_path / "downloaded"
-    folder.mkdir()
+    folder = ROOT / "notebooks"
+    before = sorted(os.listdir(folder))
     notebook = nbformat.v4.new_notebook(cells=cells)
     nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
                             resources={"metadata": {"path": str(folder)}}).execute()
     printed = "".join(output.get("text", "") for output in notebook.cells[-1].outputs)
-    assert json.loads(printed) == {"copied": True, "python": True, "predict": True}
-    assert list(folder.iterdir()) == []
+    assert json.loads(printed) == {"generated": True, "python": True, "predict": True}
+    assert sorted(os.listdir(folder)) == before

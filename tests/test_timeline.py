@@ -11,7 +11,13 @@ import time
 import pytest
 
 from conftest import ROOT
-from lab_helpers import timeline as tl
+from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, now_us, timeline_from_snapshot
+from lab_helpers.core.errors import LabError
+from lab_helpers.synthetic.network import MeasureConfig
+from lab_helpers.synthetic.predict import predict
+from lab_helpers.views import explain
+from lab_helpers.views import timeline as tl
+from lab_helpers.views.timeline_commands import build_parser, main
 
 MiB = 2**20
 BASE = 0x7F0000000000
@@ -53,7 +59,7 @@ def oom_snapshot(request=12 * MiB, device_free=6 * MiB):
 
 # ------------------------------------------------------------------ explainer numbers
 def test_explain_exact_numbers_and_fragmentation():
-    r = tl.explain_snapshot(oom_snapshot())
+    r = explain.explain_snapshot(oom_snapshot())
     assert r["request_bytes"] == r["rounded_request_bytes"] == 12 * MiB
     assert r["pool"] == "large" and r["segment_bytes_needed"] == 12 * MiB
     assert r["device_free_bytes"] == 6 * MiB  # from the oom entry
@@ -82,7 +88,7 @@ def test_explain_exact_numbers_and_fragmentation():
 
 
 def test_explain_exhaustion():
-    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=40 * MiB, device_free_bytes=6 * MiB)
+    r = explain.explain_snapshot(oom_snapshot(), failed_request_bytes=40 * MiB, device_free_bytes=6 * MiB)
     assert r["verdict"] == "exhaustion"  # 22 MiB usable + 6 MiB device < 40 MiB
     assert r["segment_bytes_needed"] == 40 * MiB
     assert r["expandable_segments"]["device_bytes_to_map"] == 40 * MiB
@@ -90,20 +96,20 @@ def test_explain_exhaustion():
 
 
 def test_explain_request_rounding_pool_and_fit():
-    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=600_001, device_free_bytes=0)
+    r = explain.explain_snapshot(oom_snapshot(), failed_request_bytes=600_001, device_free_bytes=0)
     assert r["rounded_request_bytes"] == 600_064 and r["pool"] == "small"
     assert r["usable_free_bytes"] == 2 * MiB and r["verdict"] == "fits_now"
-    assert tl.explain_snapshot(oom_snapshot(), 7 * MiB, 0)["verdict"] == "fits_now"
-    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=10 * MiB)
+    assert explain.explain_snapshot(oom_snapshot(), 7 * MiB, 0)["verdict"] == "fits_now"
+    r = explain.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=10 * MiB)
     assert r["segment_bytes_needed"] == 20 * MiB and r["verdict"] == "segment_size"
     assert r["expandable_segments"]["device_bytes_to_map"] == 20 * MiB  # 8 MiB tail + one page
     assert r["expandable_segments"]["would_fit"] is False  # 10 MiB free < one 20 MiB page
-    r = tl.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=20 * MiB)
+    r = explain.explain_snapshot(oom_snapshot(), failed_request_bytes=9 * MiB, device_free_bytes=20 * MiB)
     assert r["expandable_segments"]["would_fit"] is True
-    r = tl.explain_snapshot({"segments": three_segments()}, failed_request_bytes=30 * MiB)
+    r = explain.explain_snapshot({"segments": three_segments()}, failed_request_bytes=30 * MiB)
     assert r["device_free_bytes"] is None and r["verdict"] == "undetermined"
     with pytest.raises(tl.TimelineError, match="no failed request"):
-        tl.explain_snapshot({"segments": three_segments()})
+        explain.explain_snapshot({"segments": three_segments()})
 
 
 # ------------------------------------------------------------------ conversion
@@ -125,7 +131,7 @@ def traced_snapshot():
 
 def test_conversion_columns_and_exact_phase_peaks():
     snapshot, marks = traced_snapshot()
-    t = tl.timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
+    t = timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
     ev = t["events"]
     assert ev["time_us"] == [0, 10, 20, 30, 40, 45, 50, 70]
     assert ev["action"] == [tl.SEGMENT_ALLOC, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC, tl.ALLOC, tl.FREE, tl.ALLOC]
@@ -142,13 +148,13 @@ def test_conversion_columns_and_exact_phase_peaks():
 
 def test_conversion_refuses_bad_marks_and_traces():
     snapshot, marks = traced_snapshot()
-    with pytest.raises(tl.TimelineError, match="starts before"):
-        tl.timeline_from_snapshot(snapshot, [marks[1], marks[0]])
-    with pytest.raises(tl.TimelineError, match="not \\(name"):
-        tl.timeline_from_snapshot(snapshot, [("x", 0, 1)])
+    with pytest.raises(LabError, match="starts before"):
+        timeline_from_snapshot(snapshot, [marks[1], marks[0]])
+    with pytest.raises(LabError, match="not \\(name"):
+        timeline_from_snapshot(snapshot, [("x", 0, 1)])
     del snapshot["device_traces"][0][2]["time_us"]
-    with pytest.raises(tl.TimelineError, match="time_us"):
-        tl.timeline_from_snapshot(snapshot, marks)
+    with pytest.raises(LabError, match="time_us"):
+        timeline_from_snapshot(snapshot, marks)
 
 
 def test_recorder_says_unavailable_without_gpu():
@@ -156,7 +162,7 @@ def test_recorder_says_unavailable_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the unavailable path does not apply")
     for call in (lambda: tl.record_history(torch, "cuda:0", 1000), lambda: tl.stop_history(torch, "cuda:0"),
-                 lambda: tl.save_oom_snapshot(torch, "never.json", 1024)):
+                 lambda: tl.capture_oom_snapshot(torch, "never.json", 1024)):
         with pytest.raises(tl.TimelineError, match="unavailable"):
             call()
     assert not os.path.exists("never.json")
@@ -164,7 +170,7 @@ def test_recorder_says_unavailable_without_gpu():
 
 # ------------------------------------------------------------------ command line
 def run_cli(capsys, *argv):
-    code = tl.main([str(a) for a in argv])
+    code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -178,7 +184,7 @@ def one_line_error(code, err):
 def test_plot_writes_png_exclusively(tmp_path, capsys):
     snapshot, marks = traced_snapshot()
     source = tmp_path / "t.json"
-    source.write_text(json.dumps(tl.timeline_from_snapshot(snapshot, marks)))
+    source.write_text(json.dumps(timeline_from_snapshot(snapshot, marks)))
     png = tmp_path / "t.png"
     code, out, err = run_cli(capsys, "plot", source, "--output", png)
     assert code == 0, err
@@ -205,7 +211,7 @@ def test_summary_and_convert_roundtrip(tmp_path, capsys):
 
 
 def lab_oom_file(path, **changes):
-    document = {"kind": tl.OOM_SNAPSHOT_KIND, "schema_version": 1, "device": "cuda:0",
+    document = {"kind": OOM_SNAPSHOT_KIND, "schema_version": 1, "device": "cuda:0",
                 "failed_request_bytes": 12 * MiB, "device_free_bytes": 6 * MiB,
                 "snapshot": {"segments": three_segments(), "device_traces": []}}
     document.update(changes)
@@ -283,8 +289,8 @@ def _hostile_explain_inputs(tmp_path):
         "deep pickle nesting": b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".",
         "a class instance (OrderedDict)": pickle.dumps(__import__("collections").OrderedDict(a=1), protocol=4),
         "binary garbage": os.urandom(4096).replace(b"\x80", b"\x00"),
-        "UTF-16 JSON": json.dumps({"kind": tl.OOM_SNAPSHOT_KIND}).encode("utf-16"),
-        "wrong schema version": json.dumps({"kind": tl.OOM_SNAPSHOT_KIND, "schema_version": 99}).encode(),
+        "UTF-16 JSON": json.dumps({"kind": OOM_SNAPSHOT_KIND}).encode("utf-16"),
+        "wrong schema version": json.dumps({"kind": OOM_SNAPSHOT_KIND, "schema_version": 99}).encode(),
         "negative failed request": None,
         "oom file without request or oom entry": None,
     }
@@ -317,7 +323,8 @@ def test_hostile_explain_inputs_one_line_exit_2(tmp_path, capsys):
 def test_too_large_refused_before_reading(tmp_path, capsys, monkeypatch):
     path = tmp_path / "big.json"
     lab_oom_file(path)
-    monkeypatch.setattr(tl, "_parse_json", lambda *a: pytest.fail("parsed a file over the limit"))
+    for name in ("read_json_file", "_parse_pickle"):
+        monkeypatch.setattr(explain, name, lambda *a: pytest.fail("parsed a file over the limit"))
     code, out, err = run_cli(capsys, "explain", path, "--max-file-bytes", "100")
     one_line_error(code, err)
     assert "limit" in err
@@ -325,7 +332,7 @@ def test_too_large_refused_before_reading(tmp_path, capsys, monkeypatch):
 
 def _timeline_variants():
     snapshot, marks = traced_snapshot()
-    good = tl.timeline_from_snapshot(snapshot, marks)
+    good = timeline_from_snapshot(snapshot, marks)
 
     def variant(change):
         doc = json.loads(json.dumps(good))
@@ -379,7 +386,7 @@ def test_usage_errors_exit_2_one_line():
 
 
 def test_help_names_every_flag():
-    text = tl.build_parser()._subparsers._group_actions[0].choices["plot"].format_help()
+    text = build_parser()._subparsers._group_actions[0].choices["plot"].format_help()
     for flag in ("--output", "--top", "--bins", "--max-file-bytes"):
         assert flag in text
 
@@ -420,7 +427,7 @@ def test_binned_plot_keeps_the_exact_peak():
 
 def test_plot_gives_no_band_of_its_own_to_an_allocation_under_one_percent_of_the_peak():
     snapshot, marks = traced_snapshot()  # peak 19 MiB: the 1 MiB block (5.3 %) keeps its band
-    t = tl.timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
+    t = timeline_from_snapshot(snapshot, marks, labels={BASE + 4 * MiB: "weights"})
     from matplotlib.figure import Figure
     ax = Figure().add_subplot()
     tl.plot_timeline(t, ax=ax, top=8)
@@ -444,16 +451,16 @@ def test_gpu_phase_peaks_equal_torch_counters():
         for name, sizes in (("first", [3 * MiB, 5 * MiB + 100]), ("second", [20 * MiB, 700_000, 1000])):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            start = tl.now_us()
+            start = now_us()
             made = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
             keep.append(made[0])
             del made
             torch.cuda.synchronize(device)
             measured.append(torch.cuda.max_memory_allocated(device))
-            marks.append((name, None, start, tl.now_us()))
+            marks.append((name, None, start, now_us()))
     finally:
         snapshot = tl.stop_history(torch, device)
-    timeline = tl.timeline_from_snapshot(snapshot, marks, device=torch.device(device).index)
+    timeline = timeline_from_snapshot(snapshot, marks, device=torch.device(device).index)
     assert [p["peak_allocated_bytes"] for p in tl.phase_peaks(timeline)] == measured
     assert tl.render_png(timeline)[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -471,8 +478,8 @@ def holes_snapshot():
 def test_explain_fragmentation_under_a_process_cap():
     snapshot = holes_snapshot()
     # without the cap, the device's 100 GiB would hold a new segment: the state looks servable
-    assert tl.explain_snapshot(snapshot)["verdict"] == "fits_now"
-    r = tl.explain_snapshot(snapshot, process_limit_bytes=410 * MiB)
+    assert explain.explain_snapshot(snapshot)["verdict"] == "fits_now"
+    r = explain.explain_snapshot(snapshot, process_limit_bytes=410 * MiB)
     assert (r["request_bytes"], r["reserved_bytes"], r["allocated_bytes"]) == (40 * MiB, 400 * MiB, 200 * MiB)
     assert r["reserved_free_bytes"] == 200 * MiB and r["largest_free_block_bytes"] == 20 * MiB
     assert r["segments"][0]["free_blocks"] == 10
@@ -701,7 +708,7 @@ def test_measure_timeline_without_gpu_says_so(tmp_path, monkeypatch, capsys):
 
 # ------------------------------------------------------------------ where the bytes go
 def test_predict_splits_end_allocated_by_kind():
-    prediction = mm.predict(mm.MeasureConfig())
+    prediction = predict(MeasureConfig())
     split = [p["end_allocated_bytes_by_kind"] for p in prediction["phases"]]
     weights = 65536 + 1024 + 65536 + 512  # each tensor's block: the 256-byte bias takes 512
     assert split[0] == {"weights": weights, "inputs": 0, "workspace": 0, "activations": 0}
@@ -715,8 +722,8 @@ def test_predict_splits_end_allocated_by_kind():
 def test_plot_bytes_by_kind_bars_and_markers():
     import matplotlib
     matplotlib.use("Agg")
-    from lab_helpers import plots
-    prediction = mm.predict(mm.MeasureConfig())
+    from lab_helpers.views import plots
+    prediction = predict(MeasureConfig())
     measured = json.loads(json.dumps(prediction))
     measured["phases"][2]["end_allocated_bytes"] += 512
     ax = plots.plot_bytes_by_kind(prediction, measured)
@@ -732,20 +739,20 @@ def test_plot_bytes_by_kind_bars_and_markers():
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {
         "allocated: weights", "allocated: inputs", "allocated: workspace", "allocated: activations", "reserved",
         "measured end allocated", "measured end reserved"}
-    with pytest.raises(mm.LabError, match="end_allocated_bytes_by_kind"):
+    with pytest.raises(LabError, match="end_allocated_bytes_by_kind"):
         plots.plot_bytes_by_kind({"phases": [{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"}
                                              for p in prediction["phases"]]})
     measured["phases"].pop()
-    with pytest.raises(mm.LabError, match="phases differ"):
+    with pytest.raises(LabError, match="phases differ"):
         plots.plot_bytes_by_kind(prediction, measured)
     bad = json.loads(json.dumps(prediction))
     bad["phases"][0]["end_allocated_bytes_by_kind"]["weights"] += 1
-    with pytest.raises(mm.LabError, match="adds up to"):
+    with pytest.raises(LabError, match="adds up to"):
         plots.plot_bytes_by_kind(bad)
 
 
 def test_a_label_names_the_last_tensor_made_at_its_address():
     snapshot, marks = traced_snapshot()
-    labels = mm.timeline_from_snapshot(snapshot, marks, labels={BASE: "workspace"})["events"]["label"]
+    labels = timeline_from_snapshot(snapshot, marks, labels={BASE: "workspace"})["events"]["label"]
     # BASE held a 4 MiB tensor (freed at 30 us), then the 2 MiB one made at 40 us that is still alive
     assert labels == [None, None, None, None, "workspace", None, None, None]

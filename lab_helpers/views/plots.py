@@ -1,18 +1,16 @@
 """Tables and plots of one measurement (or prediction) per phase, in MiB.
 
 Each function takes a document (a dict) or the path of a measurement file, read and validated by
-mesure_memoire.read_measurement; synthetic and transformers measurements both work (phases only)."""
+measurement.schema.read_measurement; synthetic and transformers measurements both work (phases only).
+Plots speak MiB: the allocator's segment sizes are whole MiB."""
 import os
 
-# >>> library only
 from lab_helpers.core.errors import LabError
-from lab_helpers.measurement.schema import read_measurement
-# <<< library only
+from lab_helpers.core.numbers import MIB
+from lab_helpers.measurement.schema import COUNTERS, read_measurement
 
 MISSING_PACKAGE = "{name} is not installed: run make lab (or pip install -r requirements.txt)"
-MIB = 2**20  # plots speak MiB: the allocator's segment sizes are whole MiB
 POINTS = ("baseline", "end", "peak")
-COUNTERS = ("allocated", "reserved")
 POINT_COLOURS = {"baseline": "#b0b0b0", "end": "#4c72b0", "peak": "#dd8452"}
 
 
@@ -139,7 +137,7 @@ def bytes_by_kind(document) -> dict:
     """Per phase label, the end allocated bytes split by kind and the end reserved bytes:
     {"labels", "kinds", "by_kind" {kind: [bytes per phase]}, "reserved" [bytes per phase]}.
     Needs a document whose phases carry ``end_allocated_bytes_by_kind``: a prediction of
-    mesure_memoire.predict (synthetic network) or real_model.predict_model (adds kv_cache)."""
+    the synthetic network's predict or real_model.predict_model (adds kv_cache)."""
     phases = _document(document)["phases"]
     kinds = []
     for i, p in enumerate(phases):

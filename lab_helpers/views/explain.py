@@ -1,0 +1,290 @@
+"""Why an allocation failed, from an out-of-memory snapshot of PyTorch's caching allocator.
+
+``load_snapshot`` reads the lab's OOM snapshot JSON or a ``torch.cuda.memory._dump_snapshot`` pickle
+(loaded with every class refused); ``explain_snapshot`` gives the request that failed, the free
+blocks, fragmentation or exhaustion, and what ``expandable_segments`` or ``empty_cache()`` would
+change, in numbers and words; ``explanation_table`` says it for people.
+"""
+import io
+import os
+import pickle
+import stat
+
+from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, check_allocator_snapshot, is_byte_count
+from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES,
+                                         SMALL_SEGMENT_BYTES)
+from lab_helpers.core.files import read_json_file
+from lab_helpers.core.numbers import MIB
+from lab_helpers.measurement.schema import SCHEMA_VERSION
+from lab_helpers.views.timeline import MAX_FILE_BYTES, TimelineError
+
+# Expandable segments map device memory in pages of the pool's segment size (c10:
+# kSmallBuffer 2 MiB for the small pool, kLargeBuffer 20 MiB for the large one).
+EXPANDABLE_PAGE_BYTES = {"small": SMALL_SEGMENT_BYTES, "large": LARGE_SEGMENT_BYTES}
+PENDING_FREE_STATES = ("active_pending_free", "active_awaiting_free")
+PICKLE_PROTO = b"\x80"  # the first byte of a pickle of protocol 2 or later; no JSON text starts with it
+# The caching allocator's rounding rules, one copy: the lab's model of the allocator.
+round_request = AllocatorModel.round_size
+segment_bytes_for = AllocatorModel.segment_size
+
+
+# ------------------------------------------------------------------ reading files safely
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, tuples, numbers, strings, bytes, None and bools; refuses every class.
+
+    Loading a pickle can call any importable function (os.system...) through find_class; torch's
+    snapshot needs none, so nothing is ever looked up.
+    """
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: only plain data is accepted")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refusing a persistent reference: only plain data is accepted")
+
+
+def read_bounded(path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, checked before reading (FIFOs never block).
+    Only a pickle needs bytes: JSON is read by core.files.read_json_file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise TimelineError(f"cannot read {path}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise TimelineError(f"{path} is not a regular file")
+    if info.st_size > max_bytes:
+        os.close(fd)
+        raise TimelineError(f"{path} is {info.st_size} bytes, over the {max_bytes}-byte limit")
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TimelineError(f"{path} grew over the {max_bytes}-byte limit while being read")
+    if not data:
+        raise TimelineError(f"{path} is empty")
+    return data
+
+
+def _parse_pickle(data: bytes, path):
+    try:
+        return _DataOnlyUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise TimelineError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise TimelineError(f"{path} is nested too deeply") from None
+    except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            MemoryError, UnicodeDecodeError) as exc:
+        raise TimelineError(f"{path} is not a readable pickle ({type(exc).__name__})") from None
+
+
+def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
+    """Read an out-of-memory snapshot: the lab's JSON file or a ``_dump_snapshot`` pickle.
+
+    Returns ``{"snapshot": torch-format dict, "failed_request_bytes": int|None,
+    "device_free_bytes": int|None, "process_limit_bytes": int|None}``. Pickles are loaded with classes refused.
+    """
+    data = read_bounded(path, max_bytes)
+    if data[:1] == PICKLE_PROTO:
+        document = _parse_pickle(data, path)
+        if not isinstance(document, dict):
+            raise TimelineError(f"{path} holds a {type(document).__name__}, not a snapshot dict")
+        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None,
+                   "process_limit_bytes": None}
+    else:
+        document = read_json_file(path, max_bytes)
+        if not isinstance(document, dict) or document.get("kind") != OOM_SNAPSHOT_KIND:
+            raise TimelineError(f"{path} is not an {OOM_SNAPSHOT_KIND} file or a torch snapshot pickle")
+        if document.get("schema_version") != SCHEMA_VERSION:
+            raise TimelineError(f"{path}: unsupported schema_version {document.get('schema_version')!r}")
+        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes",
+                                                      "process_limit_bytes")}
+        for key in ("failed_request_bytes", "device_free_bytes", "process_limit_bytes"):
+            if wrapped[key] is not None and not is_byte_count(wrapped[key]):
+                raise TimelineError(f"{path}: {key} must be a whole number of bytes >= 0")
+    check_allocator_snapshot(wrapped["snapshot"], path)
+    return wrapped
+
+
+# ------------------------------------------------------------------ out-of-memory explainer
+def _last_oom(snapshot: dict):
+    found = None
+    for device, trace in enumerate(snapshot.get("device_traces", [])):
+        for entry in trace:
+            if entry.get("action") == "oom":
+                found = (device, entry)
+    return found
+
+
+def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_bytes=None,
+                     process_limit_bytes=None) -> dict:
+    """Why an allocation failed, from the allocator's segments: numbers, a verdict and remedies.
+
+    The request is `failed_request_bytes`, else the last ``oom`` trace entry's size; the device's
+    free bytes `device_free_bytes`, else that entry's ``device_free``. `process_limit_bytes`: the
+    cap ``torch.cuda.set_per_process_memory_fraction`` set (fraction x total memory), under which
+    reserved bytes must stay; what the allocator can still take is ``available_bytes``, the smaller
+    of the device's free bytes and the room under the cap. A request can only use free blocks of
+    its own pool (small: up to 1 MiB; large) and stream.
+    """
+    check_allocator_snapshot(snapshot, "snapshot")
+    for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes),
+                        ("process_limit_bytes", process_limit_bytes)):
+        if value is not None and not is_byte_count(value):
+            raise TimelineError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
+    oom = _last_oom(snapshot)
+    device, stream = None, None
+    if oom is not None:
+        device, entry = oom
+        stream = entry.get("stream")
+        if failed_request_bytes is None:
+            failed_request_bytes = entry["size"]
+        if device_free_bytes is None and is_byte_count(entry.get("device_free")):
+            device_free_bytes = entry["device_free"]
+    if failed_request_bytes is None:
+        raise TimelineError("no failed request: the snapshot has no 'oom' entry; give the request's bytes")
+    segments = [s for s in snapshot["segments"] if device is None or s.get("device", device) == device]
+    rounded = round_request(failed_request_bytes)
+    pool = "small" if rounded <= SMALL_REQUEST_MAX_BYTES else "large"
+    needed_segment = segment_bytes_for(rounded)
+    rows = []
+    for s in sorted(segments, key=lambda s: s["address"]):
+        free_sizes = [b["size"] for b in s["blocks"] if b["state"] == "inactive"]
+        last = s["blocks"][-1] if s["blocks"] else None
+        page = EXPANDABLE_PAGE_BYTES[s.get("segment_type", "large")]
+        inner = [b["size"] for b in s["blocks"] if b["state"] == "inactive" and b is not last]
+        rows.append({
+            "address": s["address"], "segment_type": s.get("segment_type", "large"),
+            "stream": s.get("stream"), "total_size_bytes": s["total_size"],
+            "allocated_bytes": sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated"),
+            "pending_free_bytes": sum(b["size"] for b in s["blocks"] if b["state"] in PENDING_FREE_STATES),
+            "free_bytes": sum(free_sizes), "largest_free_block_bytes": max(free_sizes, default=0),
+            "free_blocks": len(free_sizes),
+            "tail_free_bytes": last["size"] if last is not None and last["state"] == "inactive" else 0,
+            "inner_free_page_bytes": sum(size // page * page for size in inner),
+            "wholly_free": bool(s["blocks"]) and len(free_sizes) == len(s["blocks"]),
+            "usable": s.get("segment_type", "large") == pool and (stream is None or s.get("stream", stream) == stream),
+        })
+    usable = [r for r in rows if r["usable"]]
+    reserved_free = sum(r["free_bytes"] for r in rows)
+    usable_free = sum(r["free_bytes"] for r in usable)
+    usable_largest = max((r["largest_free_block_bytes"] for r in usable), default=0)
+    reserved = sum(r["total_size_bytes"] for r in rows)
+    room = None if process_limit_bytes is None else max(0, process_limit_bytes - reserved)
+    available = device_free_bytes if room is None else room if device_free_bytes is None \
+        else min(device_free_bytes, room)
+    result = {
+        "request_bytes": failed_request_bytes, "rounded_request_bytes": rounded, "pool": pool,
+        "stream": stream, "segment_bytes_needed": needed_segment, "device_free_bytes": device_free_bytes,
+        "process_limit_bytes": process_limit_bytes, "available_bytes": available,
+        "reserved_bytes": reserved,
+        "allocated_bytes": sum(r["allocated_bytes"] for r in rows),
+        "pending_free_bytes": sum(r["pending_free_bytes"] for r in rows),
+        "reserved_free_bytes": reserved_free,
+        "largest_free_block_bytes": max((r["largest_free_block_bytes"] for r in rows), default=0),
+        "usable_free_bytes": usable_free, "usable_largest_free_block_bytes": usable_largest,
+        "segments": rows,
+    }
+    result["verdict"] = _verdict(result)
+    result["expandable_segments"] = _expandable(result, usable)
+    result["empty_cache"] = _empty_cache(result, rows)
+    result["summary"] = _summary(result)
+    return result
+
+
+def _verdict(r: dict) -> str:
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
+    if r["usable_largest_free_block_bytes"] >= rounded or (free is not None and free >= r["segment_bytes_needed"]):
+        return "fits_now"  # this state would serve the request: the snapshot is not the failing moment
+    if free is None:
+        return "fragmentation" if r["usable_free_bytes"] >= rounded else "undetermined"
+    if free >= rounded:
+        return "segment_size"  # the device has the request's bytes, not the whole segment asked for
+    if r["usable_free_bytes"] + free >= rounded:
+        return "fragmentation"
+    return "exhaustion"
+
+
+def _expandable(r: dict, usable: list) -> dict:
+    """With expandable segments, a segment grows at its end in pages (its tail free block plus new
+    pages), and before it gives up the allocator unmaps the whole pages of free blocks inside
+    segments (release_cached_blocks), which returns their memory for the new pages."""
+    rounded, free = r["rounded_request_bytes"], r["available_bytes"]
+    page = EXPANDABLE_PAGE_BYTES[r["pool"]]
+    tail = max((row["tail_free_bytes"] for row in usable), default=0)
+    reclaim = sum(row["inner_free_page_bytes"] for row in usable)
+    # only a segment's tail can grow; a hole inside serves the request only if it is large enough
+    missing = 0 if r["usable_largest_free_block_bytes"] >= rounded else rounded - tail
+    pages = -(-missing // page) * page
+    if missing == 0 or pages <= reclaim:
+        fits = True
+    else:
+        fits = None if free is None else pages <= free + reclaim
+    return {"page_bytes": page, "largest_tail_free_bytes": tail, "device_bytes_to_map": pages,
+            "unmappable_free_page_bytes": reclaim, "would_fit": fits,
+            "explanation": (
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets a segment grow at its end in "
+                f"{page // MIB} MiB pages: the free block at a segment's end ({tail} bytes at best here) "
+                f"plus {pages} bytes of new pages would hold the request, and the whole pages of free "
+                f"blocks inside segments ({reclaim} bytes here) are unmapped to make room for them. Set "
+                "it before the first CUDA allocation: the layout then differs from this snapshot's, so "
+                "this is an estimate.")}
+
+
+def _empty_cache(r: dict, rows: list) -> dict:
+    """empty_cache() returns wholly free segments to the device; partly used ones stay."""
+    released = sum(row["total_size_bytes"] for row in rows if row["wholly_free"])
+    free = r["available_bytes"]
+    after = None if free is None else free + released
+    stuck = r["reserved_free_bytes"] - released
+    return {"released_bytes": released, "device_free_after_bytes": after,
+            "free_bytes_left_in_partly_used_segments": stuck,
+            "would_fit": None if after is None else after >= r["segment_bytes_needed"],
+            "explanation": (
+                f"torch.cuda.empty_cache() would return {released} bytes of wholly free segments to "
+                f"the device; {stuck} free bytes sit in partly used segments and stay reserved. The "
+                "allocator already frees wholly free segments itself and retries before it raises "
+                "out-of-memory, so this mostly helps other processes.")}
+
+
+def _summary(r: dict) -> list:
+    lines = [f"The request that failed: {r['request_bytes']} bytes ({r['request_bytes'] / MIB:.2f} MiB), "
+             f"rounded to {r['rounded_request_bytes']}, from the {r['pool']} pool; a new segment for it "
+             f"takes {r['segment_bytes_needed']} bytes from the device.",
+             f"Reserved: {r['reserved_bytes']} bytes in {len(r['segments'])} segments; allocated "
+             f"{r['allocated_bytes']}; reserved but free {r['reserved_free_bytes']}; the largest free "
+             f"block {r['largest_free_block_bytes']}.",
+             f"Usable for this request (same pool and stream): {r['usable_free_bytes']} free bytes, "
+             f"the largest block {r['usable_largest_free_block_bytes']}.",
+             "Device free: unknown." if r["device_free_bytes"] is None
+             else f"Device free (outside PyTorch's cache): {r['device_free_bytes']} bytes."]
+    if r["process_limit_bytes"] is not None:
+        lines.append(f"This process may reserve at most {r['process_limit_bytes']} bytes "
+                     f"(set_per_process_memory_fraction): {r['available_bytes']} more bytes can be taken.")
+    verdicts = {
+        "fragmentation": "Verdict: FRAGMENTATION. Enough bytes are free in total, but no single free block "
+                         "holds the request and the device cannot give a new segment.",
+        "segment_size": "Verdict: SEGMENT SIZE. The device has the request's bytes free, but the allocator asks "
+                        "the device for a whole segment, which is larger than what is free.",
+        "exhaustion": "Verdict: EXHAUSTION. Free blocks plus the device's free memory are less than the "
+                      "request: the memory is really used; make the work smaller.",
+        "fits_now": "Verdict: this state would serve the request (a free block or the device has room): "
+                    "the snapshot was taken after memory was released.",
+        "undetermined": "Verdict: undetermined without the device's free bytes.",
+    }
+    lines.append(verdicts[r["verdict"]])
+    lines.append(r["expandable_segments"]["explanation"]
+                 + f" Would fit: {r['expandable_segments']['would_fit']}.")
+    lines.append(r["empty_cache"]["explanation"] + f" Would fit: {r['empty_cache']['would_fit']}.")
+    return lines
+
+
+def explanation_table(result: dict) -> str:
+    """The explanation for people: the sentences, then one line per segment."""
+    lines = list(result["summary"]) + ["", f"{'segment':>18} {'pool':>5} {'stream':>6} {'size':>14} "
+                                           f"{'free':>14} {'largest free':>14} {'blocks free':>11}"]
+    for row in result["segments"]:
+        lines.append(f"{hex(row['address']):>18} {row['segment_type']:>5} {str(row['stream']):>6} "
+                     f"{row['total_size_bytes']:>14} {row['free_bytes']:>14} "
+                     f"{row['largest_free_block_bytes']:>14} {row['free_blocks']:>11}")
+    return "\n".join(lines)
