@@ -122,16 +122,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", params=("package", "notebook"))
-def plots(request, tmp_path_factory):
-    """The plots functions: the package's module, or the mesure-memoire notebook's cells."""
-    if request.param == "package":
-        return importlib.import_module("lab_helpers.views.plots")
-    path = tmp_path_factory.mktemp("plots-notebook") / "plots_notebook_cells.py"
-    path.write_text(notebook_cells_code("notebooks/mesure-memoire.ipynb"), encoding="utf-8")
-    return load_module(path)
-
-
 def full_measurement(mm, config, shift=0):
     """A schema-valid measurement document whose counters are `config`'s prediction (a fixture:
     no GPU made it). `shift` bytes are added to the last record's peak allocated."""
