@@ -34,11 +34,12 @@ test-gpu: venv-test
 	$(PY) -m pytest -m gpu tests
 	$(PY) -m pytest --nbval-lax notebooks
 
+# The generated files: the standalone files, the notebooks' generated cells, docs/cli.md.
 sync: venv-lab
-	$(PY) -m lab_helpers.notebook_sync
+	$(PY) -m lab_helpers.build.sync
 
 sync-check: venv-lab
-	$(PY) -m lab_helpers.notebook_sync --check
+	$(PY) -m lab_helpers.build.sync --check
 
 kit: sync-check
 	$(PY) -m lab_helpers.kit build

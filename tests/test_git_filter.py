@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from lab_helpers import notebook_strip
+from lab_helpers.build.strip import FILTER_COMMAND, committed_form, strip_bytes
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 GIT = shutil.which("git")
@@ -71,20 +71,20 @@ def strip_cli(*args, stdin=b"", python=(sys.executable,)):
 def test_strip_removes_outputs_counts_and_volatile_metadata_exactly():
     expected = (json.dumps(DIRTY_STRIPPED, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
     data = json.dumps(DIRTY).encode()
-    assert notebook_strip.strip_bytes(data) == expected
-    assert notebook_strip.strip_bytes(expected) == expected  # a clean notebook is a fixed point
+    assert strip_bytes(data) == expected
+    assert strip_bytes(expected) == expected  # a clean notebook is a fixed point
     assert "é".encode() in expected and b"\\u00e9" not in expected
 
 
 def test_strip_leaves_its_argument_for_the_caller():
     original = copy.deepcopy(DIRTY)
-    notebook_strip.strip_bytes(json.dumps(DIRTY).encode())
+    strip_bytes(json.dumps(DIRTY).encode())
     assert DIRTY == original
 
 
 def test_command_reads_stdin_or_a_file_and_never_writes_the_file(tmp_path):
     data = json.dumps(DIRTY).encode()
-    expected = notebook_strip.strip_bytes(data)
+    expected = strip_bytes(data)
     proc = strip_cli(stdin=data)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected, b"")
     path = tmp_path / "run.ipynb"
@@ -120,7 +120,7 @@ def test_command_refuses_bad_input_with_one_line_and_exit_2(data):
     assert proc.returncode == 2 and proc.stdout == b""
     lines = proc.stderr.decode().splitlines()
     assert len(lines) == 1 and lines[0].startswith("notebook_strip: error: standard input: ")
-    assert notebook_strip.committed_form(data) == data  # the kit then reports it itself
+    assert committed_form(data) == data  # the kit then reports it itself
 
 
 @pytest.mark.parametrize("path", ["missing.ipynb", "."], ids=["missing", "a-folder"])
@@ -172,11 +172,11 @@ def scratch_repo(tmp_path_factory):
         else:
             shutil.copy2(source, target)
     for path in (repo / "notebooks").glob("*.ipynb"):  # as stored, whatever this working copy holds
-        path.write_bytes(notebook_strip.strip_bytes(path.read_bytes()))
+        path.write_bytes(strip_bytes(path.read_bytes()))
     git(repo, "init", "-q")
     proc = subprocess.run([MAKE, "-s", "git-filter"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert git(repo, "config", "filter.notebook-strip.clean").strip() == notebook_strip.FILTER_COMMAND
+    assert git(repo, "config", "filter.notebook-strip.clean").strip() == FILTER_COMMAND
     git(repo, "add", ".")
     git(repo, "commit", "-q", "-m", "scratch")
     assert git(repo, "status", "--porcelain") == ""
@@ -237,7 +237,7 @@ def test_notebooks_run_and_saved_with_outputs_leave_the_repository_clean(scratch
         unfiltered = git(repo, "hash-object", *paths).split()
         assert all(a != b for a, b in zip(unfiltered, committed_ids))
     finally:
-        git(repo, "config", "filter.notebook-strip.clean", notebook_strip.FILTER_COMMAND)
+        git(repo, "config", "filter.notebook-strip.clean", FILTER_COMMAND)
 
 
 def test_a_notebook_that_is_not_json_is_stored_as_it_is(scratch_repo):

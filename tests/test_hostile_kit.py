@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from lab_helpers import kit
+from lab_helpers.build.kit import (KIT_NAME, KitError, MANIFEST, MAX_MANIFEST_BYTES, MEMBERS, NOTEBOOK,
+                                  READ_CHUNK_BYTES, ZIP_ENCRYPTED_FLAG, build_kit, verify_kit)
 from test_hostile_forfaits import snapshot  # every path under a folder, to show nothing changed
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFIX = kit.KIT_NAME + "/"
+PREFIX = KIT_NAME + "/"
 TIME_LIMIT_SECONDS = 2.0
 BOMB_TIME_LIMIT_SECONDS = 10.0
 BOMB_BYTES = 2 * 1024**3
@@ -39,11 +40,11 @@ LOCAL_HEADER, CENTRAL_HEADER = b"PK\x03\x04", b"PK\x01\x02"
 
 def fake_tree(root: Path) -> Path:
     """A minimal repo tree holding every file the kit packages."""
-    for member, source in kit.MEMBERS.items():
+    for member, source in MEMBERS.items():
         path = root / source
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"contents of {member}\n", encoding="utf-8")
-    (root / kit.MEMBERS[kit.NOTEBOOK]).write_text(json.dumps(CLEAN_NOTEBOOK), encoding="utf-8")
+    (root / MEMBERS[NOTEBOOK]).write_text(json.dumps(CLEAN_NOTEBOOK), encoding="utf-8")
     return root
 
 
@@ -51,7 +52,7 @@ def fake_tree(root: Path) -> Path:
 def good_members(tmp_path_factory):
     """Member name -> bytes of a kit built from a fake tree."""
     folder = tmp_path_factory.mktemp("good")
-    path, _ = kit.build_kit(fake_tree(folder / "repo"), folder / "kit.zip")
+    path, _ = build_kit(fake_tree(folder / "repo"), folder / "kit.zip")
     with zipfile.ZipFile(path) as archive:
         return {info.filename: archive.read(info) for info in archive.infolist()}
 
@@ -91,20 +92,20 @@ def patch_headers(data: bytes, name: str, flag_bits=0, method=None, new_name=Non
 
 def with_manifest(members: dict, **entries) -> dict:
     """A copy of `members` whose manifest has the given file entries replaced."""
-    manifest = json.loads(members[PREFIX + kit.MANIFEST])
+    manifest = json.loads(members[PREFIX + MANIFEST])
     manifest["files"].update(entries)
-    return {**members, PREFIX + kit.MANIFEST: json.dumps(manifest).encode()}
+    return {**members, PREFIX + MANIFEST: json.dumps(manifest).encode()}
 
 
 def manifest_entry(members: dict, name: str, **changes) -> dict:
     """A copy of `members` with one manifest entry's fields changed."""
-    manifest = json.loads(members[PREFIX + kit.MANIFEST])
+    manifest = json.loads(members[PREFIX + MANIFEST])
     manifest["files"][name].update(changes)
-    return {**members, PREFIX + kit.MANIFEST: json.dumps(manifest).encode()}
+    return {**members, PREFIX + MANIFEST: json.dumps(manifest).encode()}
 
 
 def raw_manifest(members: dict, data: bytes) -> dict:
-    return {**members, PREFIX + kit.MANIFEST: data}
+    return {**members, PREFIX + MANIFEST: data}
 
 
 def run_kit(args, cwd: Path, limit=TIME_LIMIT_SECONDS):
@@ -144,7 +145,7 @@ def assert_usage_error(proc, *needles):
 # --- hostile zips --------------------------------------------------------------------
 
 def _encrypted(m):
-    return patch_headers(zip_bytes(m), PREFIX + "README.md", flag_bits=kit.ZIP_ENCRYPTED_FLAG)
+    return patch_headers(zip_bytes(m), PREFIX + "README.md", flag_bits=ZIP_ENCRYPTED_FLAG)
 
 
 def _unknown_method(m):
@@ -250,7 +251,7 @@ HOSTILE_ZIPS = {
         ["MANIFEST.json", "does not parse"]),
     "manifest nested 100000 deep": (_deep_manifest, ["MANIFEST.json", "does not parse"]),
     "manifest over 1 MiB": (
-        lambda m: zip_bytes(raw_manifest(m, b" " * (kit.MAX_MANIFEST_BYTES + 1) + b"{}")),
+        lambda m: zip_bytes(raw_manifest(m, b" " * (MAX_MANIFEST_BYTES + 1) + b"{}")),
         ["MANIFEST.json", "over 1048576 bytes"]),
     "manifest binary": (lambda m: zip_bytes(raw_manifest(m, b"\xff\xfe\x00\x01")),
                         ["MANIFEST.json", "does not parse"]),
@@ -305,22 +306,22 @@ def test_verify_of_a_fifo_does_not_hang(tmp_path):
 
 
 def test_verify_of_a_folder_holding_a_fifo_does_not_hang(good_members, tmp_path):
-    folder = tmp_path / kit.KIT_NAME
+    folder = tmp_path / KIT_NAME
     folder.mkdir()
     for name, data in good_members.items():
         (tmp_path / name).write_bytes(data)
     (folder / "README.md").unlink()
     os.mkfifo(folder / "README.md")
-    assert_fails(run_kit(["verify", kit.KIT_NAME], tmp_path), "README.md", "not a regular file")
+    assert_fails(run_kit(["verify", KIT_NAME], tmp_path), "README.md", "not a regular file")
 
 
 def test_verify_of_a_folder_with_a_link_loop(good_members, tmp_path):
-    folder = tmp_path / kit.KIT_NAME
+    folder = tmp_path / KIT_NAME
     folder.mkdir()
     for name, data in good_members.items():
         (tmp_path / name).write_bytes(data)
     (folder / "boucle").symlink_to(".")
-    assert_fails(run_kit(["verify", kit.KIT_NAME], tmp_path), "boucle", "link")
+    assert_fails(run_kit(["verify", KIT_NAME], tmp_path), "boucle", "link")
 
 
 # --- the zip bomb --------------------------------------------------------------------
@@ -363,7 +364,7 @@ def bomb_base(good_members, tmp_path_factory):
     path.write_bytes(one_member_zip(PREFIX + "README.md", stream, crc, BOMB_BYTES))
     with zipfile.ZipFile(path, "a") as archive:
         for name, data in good_members.items():
-            if name not in (PREFIX + "README.md", PREFIX + kit.MANIFEST):
+            if name not in (PREFIX + "README.md", PREFIX + MANIFEST):
                 archive.writestr(name, data)
     with zipfile.ZipFile(path) as archive:  # a real bomb: zipfile inflates it to zeros
         info = archive.getinfo(PREFIX + "README.md")
@@ -379,7 +380,7 @@ def bomb_with_manifest(bomb_base: Path, good_members: dict, target: Path, **read
     members = manifest_entry(good_members, "README.md", **readme) if readme else good_members
     target.write_bytes(bomb_base.read_bytes())
     with zipfile.ZipFile(target, "a") as archive:
-        archive.writestr(PREFIX + kit.MANIFEST, members[PREFIX + kit.MANIFEST])
+        archive.writestr(PREFIX + MANIFEST, members[PREFIX + MANIFEST])
     return target
 
 
@@ -421,13 +422,13 @@ def test_zip_bomb_reads_no_more_than_the_declared_size_plus_one(bomb_base, good_
     original = zipfile.ZipExtFile.read
 
     def counting_read(self, n=-1):
-        assert n is not None and 0 <= n <= kit.READ_CHUNK_BYTES  # never "read everything"
+        assert n is not None and 0 <= n <= READ_CHUNK_BYTES  # never "read everything"
         data = original(self, n)
         read_bytes[self.name] = read_bytes.get(self.name, 0) + len(data)
         return data
 
     monkeypatch.setattr(zipfile.ZipExtFile, "read", counting_read)
-    problems = kit.verify_kit(path)
+    problems = verify_kit(path)
     assert problems == [f"README.md: size differs: over the {declared} bytes MANIFEST.json gives"]
     assert read_bytes[PREFIX + "README.md"] == declared + 1
     for name, data in good_members.items():
@@ -465,7 +466,7 @@ def repo(tmp_path):
 @pytest.mark.parametrize("case", list(BAD_NOTEBOOKS))
 def test_build_refuses_a_notebook_that_is_not_nbformat_4(repo, tmp_path, case):
     data, needle = BAD_NOTEBOOKS[case]
-    (repo / kit.MEMBERS[kit.NOTEBOOK]).write_bytes(data)
+    (repo / MEMBERS[NOTEBOOK]).write_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
     proc = run_kit(["build", "--root", repo, "--output", "out/kit.zip"], tmp_path)
@@ -486,7 +487,7 @@ def test_build_refuses_an_output_that_is_a_fifo_without_hanging(repo, tmp_path):
 
 
 def test_build_refuses_a_source_that_is_a_fifo_without_hanging(repo, tmp_path):
-    source = repo / kit.MEMBERS["LICENSE.txt"]
+    source = repo / MEMBERS["LICENSE.txt"]
     source.unlink()
     os.mkfifo(source)
     assert_usage_error(run_kit(["build", "--root", repo, "--output", "kit.zip"], tmp_path),
@@ -512,7 +513,7 @@ def test_build_names_paths_as_typed_and_the_default_relative(repo, tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
 def test_kit_file_gets_the_users_mode(repo, tmp_path, umask):
     code = (f"import os, sys; os.umask({umask}); "
-            "from lab_helpers import kit; sys.exit(kit.main(sys.argv[1:]))")
+            "from lab_helpers.build.kit import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "build", "--root", str(repo),
                            "--output", "kit.zip"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
@@ -526,14 +527,14 @@ def test_forced_replacement_gets_the_users_mode_too(repo, tmp_path):
     (tmp_path / "kit.zip").write_bytes(b"old")
     os.chmod(tmp_path / "kit.zip", 0o600)
     code = ("import os, sys; os.umask(0o022); "
-            "from lab_helpers import kit; sys.exit(kit.main(sys.argv[1:]))")
+            "from lab_helpers.build.kit import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "build", "--root", str(repo), "--output",
                            "kit.zip", "--force"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "kit.zip").stat().st_mode & 0o777 == 0o644
-    assert kit.verify_kit(tmp_path / "kit.zip") == []
+    assert verify_kit(tmp_path / "kit.zip") == []
 
 
 def test_forced_replacement_that_fails_keeps_the_old_zip(repo, tmp_path, monkeypatch):
@@ -544,8 +545,8 @@ def test_forced_replacement_that_fails_keeps_the_old_zip(repo, tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    with pytest.raises(kit.KitError, match=r"^cannot write kit.zip: no space left on the device$"):
-        kit.build_kit(repo, Path("kit.zip"), force=True)
+    with pytest.raises(KitError, match=r"^cannot write kit.zip: no space left on the device$"):
+        build_kit(repo, Path("kit.zip"), force=True)
     assert (tmp_path / "kit.zip").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kit.zip", "repo"]  # no temporary left
 

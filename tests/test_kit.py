@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lab_helpers import kit
+from lab_helpers.build.kit import (KIT_FILES, KIT_NAME, MANIFEST, MEMBERS, NOTEBOOK, ZIP_DATE, build_kit,
+                                  main, sha256_hex, verify_kit)
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFIX = kit.KIT_NAME + "/"
+PREFIX = KIT_NAME + "/"
 CLEAN_NOTEBOOK = {
     "cells": [
         {"cell_type": "markdown", "metadata": {}, "source": "# Mesure"},
@@ -26,7 +27,7 @@ CLEAN_NOTEBOOK = {
 
 def write_notebook(root: Path, notebook: dict) -> None:
     """Write `notebook` where the kit takes its notebook from."""
-    path = root / kit.MEMBERS[kit.NOTEBOOK]
+    path = root / MEMBERS[NOTEBOOK]
     path.write_text(json.dumps(notebook, indent=1) + "\n", encoding="utf-8")
 
 
@@ -34,7 +35,7 @@ def write_notebook(root: Path, notebook: dict) -> None:
 def fake_root(tmp_path):
     """A minimal repo tree holding every file the kit packages."""
     root = tmp_path / "repo"
-    for member, source in kit.MEMBERS.items():
+    for member, source in MEMBERS.items():
         path = root / source
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"contents of {member}\nsecond line\n", encoding="utf-8")
@@ -45,7 +46,7 @@ def fake_root(tmp_path):
 @pytest.fixture
 def kit_zip(fake_root, tmp_path):
     """A kit built from the fake tree."""
-    path, changed = kit.build_kit(fake_root, tmp_path / "dist" / "kit.zip")
+    path, changed = build_kit(fake_root, tmp_path / "dist" / "kit.zip")
     assert changed
     return path
 
@@ -65,8 +66,8 @@ def write_zip(path: Path, members: dict) -> Path:
 
 
 def run_main(capsys, *argv):
-    """Run kit.main(argv); return (exit status, stdout, stderr)."""
-    status = kit.main(list(map(str, argv)))
+    """Run main(argv); return (exit status, stdout, stderr)."""
+    status = main(list(map(str, argv)))
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -77,39 +78,39 @@ def test_build_packs_exactly_nine_files_under_one_folder(fake_root, kit_zip):
     with zipfile.ZipFile(kit_zip) as archive:
         infos = archive.infolist()
     names = [info.filename for info in infos]
-    assert names == sorted(PREFIX + name for name in kit.KIT_FILES)
+    assert names == sorted(PREFIX + name for name in KIT_FILES)
     assert len(names) == 9
     for info in infos:
-        assert info.date_time == kit.ZIP_DATE
+        assert info.date_time == ZIP_DATE
         assert stat.S_IMODE(info.external_attr >> 16) == 0o644
         assert stat.S_ISREG(info.external_attr >> 16)
         assert not info.is_dir()
     members = zip_members(kit_zip)
-    for member, source in kit.MEMBERS.items():
+    for member, source in MEMBERS.items():
         assert members[PREFIX + member] == (fake_root / source).read_bytes(), member
 
 
 def test_manifest_lists_nine_members_with_size_and_sha256(fake_root, kit_zip):
-    raw = zip_members(kit_zip)[PREFIX + kit.MANIFEST]
+    raw = zip_members(kit_zip)[PREFIX + MANIFEST]
     manifest = json.loads(raw)
     assert raw.decode("utf-8") == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    assert set(manifest["files"]) == kit.KIT_FILES
-    assert manifest["kit"] == kit.KIT_NAME
-    assert "no fingerprint of itself" in manifest["files"][kit.MANIFEST]["note"]
-    assert "sha256" not in manifest["files"][kit.MANIFEST]
-    for member, source in kit.MEMBERS.items():
+    assert set(manifest["files"]) == KIT_FILES
+    assert manifest["kit"] == KIT_NAME
+    assert "no fingerprint of itself" in manifest["files"][MANIFEST]["note"]
+    assert "sha256" not in manifest["files"][MANIFEST]
+    for member, source in MEMBERS.items():
         data = (fake_root / source).read_bytes()
         entry = manifest["files"][member]
-        assert entry == {"size_bytes": len(data), "sha256": kit.sha256_hex(data)}
+        assert entry == {"size_bytes": len(data), "sha256": sha256_hex(data)}
 
 
 def test_two_builds_are_byte_identical(fake_root, tmp_path):
-    first, _ = kit.build_kit(fake_root, tmp_path / "a" / "kit.zip")
+    first, _ = build_kit(fake_root, tmp_path / "a" / "kit.zip")
     for path in fake_root.rglob("*"):  # new mtimes and modes must not leak in
         if path.is_file():
             os.utime(path, (1_900_000_000, 1_900_000_000))
             path.chmod(0o600)
-    second, _ = kit.build_kit(fake_root, tmp_path / "b" / "kit.zip")
+    second, _ = build_kit(fake_root, tmp_path / "b" / "kit.zip")
     assert first.read_bytes() == second.read_bytes()
 
 
@@ -130,7 +131,7 @@ def test_rebuild_with_identical_bytes_says_unchanged(fake_root, kit_zip, capsys)
 def test_readme_states_the_rule_the_estimate_follows():
     """The kit README's bytes-per-parameter rule is what `estimate` computes."""
     from lab_helpers import mesure_memoire
-    text = (ROOT / kit.MEMBERS["README.md"]).read_text(encoding="utf-8")
+    text = (ROOT / MEMBERS["README.md"]).read_text(encoding="utf-8")
     assert "parameters × bits / 8" not in text
     for bits, per_parameter in ((16, 2), (12, 2), (4, 1), (3, 1)):
         assert f"{bits} → {per_parameter}" in text or f"{bits} bits → {per_parameter}" in text
@@ -149,7 +150,7 @@ def test_refuses_to_overwrite_a_different_file_and_leaves_it(fake_root, tmp_path
     assert output.read_bytes() == b"someone else's zip"
     assert sorted(p.name for p in output.parent.iterdir()) == ["kit.zip"]  # no temp left
     status, _, _ = run_main(capsys, "build", "--root", fake_root, "--output", output, "--force")
-    assert status == 0 and kit.verify_kit(output) == []
+    assert status == 0 and verify_kit(output) == []
 
 
 @pytest.mark.parametrize("cell_change", [
@@ -160,18 +161,18 @@ def test_packages_the_notebook_without_outputs_or_counts(fake_root, tmp_path, ca
     notebook = json.loads(json.dumps(CLEAN_NOTEBOOK))
     notebook["cells"][1].update(cell_change)
     write_notebook(fake_root, notebook)
-    source = fake_root / kit.MEMBERS[kit.NOTEBOOK]
+    source = fake_root / MEMBERS[NOTEBOOK]
     before = source.read_bytes()
     output = tmp_path / "dist" / "kit.zip"
     status, _, err = run_main(capsys, "build", "--root", fake_root, "--output", output)
     assert status == 0 and err == ""
-    packed = json.loads(zip_members(output)[PREFIX + kit.NOTEBOOK])
+    packed = json.loads(zip_members(output)[PREFIX + NOTEBOOK])
     assert packed["cells"][1]["outputs"] == [] and packed["cells"][1]["execution_count"] is None
     assert source.read_bytes() == before  # the working copy keeps its outputs
 
 
 def test_refuses_a_notebook_that_is_not_json(fake_root, tmp_path, capsys):
-    (fake_root / kit.MEMBERS[kit.NOTEBOOK]).write_text('{"cells": [', encoding="utf-8")
+    (fake_root / MEMBERS[NOTEBOOK]).write_text('{"cells": [', encoding="utf-8")
     output = tmp_path / "dist" / "kit.zip"
     status, out, err = run_main(capsys, "build", "--root", fake_root, "--output", output)
     assert status == 2 and out == ""
@@ -181,7 +182,7 @@ def test_refuses_a_notebook_that_is_not_json(fake_root, tmp_path, capsys):
 
 
 def test_refuses_when_a_source_file_is_missing(fake_root, tmp_path, capsys):
-    (fake_root / kit.MEMBERS["calcul_forfaits.py"]).unlink()
+    (fake_root / MEMBERS["calcul_forfaits.py"]).unlink()
     status, _, err = run_main(capsys, "build", "--root", fake_root,
                               "--output", tmp_path / "kit.zip")
     assert status == 2 and "lab_helpers/calcul_forfaits.py" in err
@@ -195,7 +196,7 @@ def extract(zip_path: Path, into: Path) -> Path:
     """Extract the (trusted, freshly built) kit into `into`; return the kit folder."""
     with zipfile.ZipFile(zip_path) as archive:
         archive.extractall(into)
-    return into / kit.KIT_NAME
+    return into / KIT_NAME
 
 
 def test_verify_passes_on_zip_folder_and_parent(kit_zip, tmp_path, capsys):
@@ -233,7 +234,7 @@ TAMPERING = {
                        ["autre/notes.txt", "outside the single folder"]),
     "dotdot member": (lambda m: {**m, PREFIX + "../evil.txt": b"x"}, ["../evil.txt", "'..'"]),
     "absolute member": (lambda m: {**m, "/tmp/evil.txt": b"x"}, ["/tmp/evil.txt", "absolute"]),
-    "broken manifest": (lambda m: replace(m, kit.MANIFEST, m[PREFIX + kit.MANIFEST][:-20]),
+    "broken manifest": (lambda m: replace(m, MANIFEST, m[PREFIX + MANIFEST][:-20]),
                         ["MANIFEST.json", "does not parse"]),
 }
 
@@ -266,7 +267,7 @@ FOLDER_TAMPERING = {
     "extra nested file": (lambda d: (d / "sous" / "x.txt").parent.mkdir() or
                           (d / "sous" / "x.txt").write_text("x"), ["sous/x.txt", "extra file"]),
     "link": (lambda d: (d / "lien").symlink_to("/etc/hostname"), ["lien", "link"]),
-    "broken manifest": (lambda d: (d / kit.MANIFEST).write_text("{", encoding="utf-8"),
+    "broken manifest": (lambda d: (d / MANIFEST).write_text("{", encoding="utf-8"),
                         ["MANIFEST.json", "does not parse"]),
 }
 
@@ -287,23 +288,23 @@ def test_verify_reports_corrupt_bytes_inside_the_zip(kit_zip, tmp_path):
     data[index] ^= 0x01
     damaged = tmp_path / "damaged.zip"
     damaged.write_bytes(bytes(data))
-    problems = kit.verify_kit(damaged)
+    problems = verify_kit(damaged)
     assert problems and all("calcul_forfaits.py" in problem for problem in problems)
 
 
 def test_verify_reports_a_cut_download(kit_zip, tmp_path):
     cut = tmp_path / "cut.zip"
     cut.write_bytes(kit_zip.read_bytes()[:1000])
-    problems = kit.verify_kit(cut)
+    problems = verify_kit(cut)
     assert len(problems) == 1 and "not a readable zip" in problems[0]
 
 
 def test_verify_reports_a_manifest_that_drops_a_member(kit_zip, tmp_path):
     members = zip_members(kit_zip)
-    manifest = json.loads(members[PREFIX + kit.MANIFEST])
+    manifest = json.loads(members[PREFIX + MANIFEST])
     del manifest["files"]["README.md"]
-    members = without(replace(members, kit.MANIFEST, json.dumps(manifest).encode()), "README.md")
-    problems = kit.verify_kit(write_zip(tmp_path / "short.zip", members))
+    members = without(replace(members, MANIFEST, json.dumps(manifest).encode()), "README.md")
+    problems = verify_kit(write_zip(tmp_path / "short.zip", members))
     assert problems == ["README.md: not listed in MANIFEST.json, which must list all 9"]
 
 
@@ -311,14 +312,14 @@ def test_verify_usage_errors_exit_2(tmp_path, capsys):
     status, out, err = run_main(capsys, "verify", tmp_path / "absent.zip")
     assert status == 2 and out == "" and len(err.strip().splitlines()) == 1
     with pytest.raises(SystemExit) as exit_info:
-        kit.main(["verify"])
+        main(["verify"])
     assert exit_info.value.code == 2
 
 
 # --- the kit README ------------------------------------------------------------------
 
 def test_kit_readme_covers_the_walkthrough():
-    text = " ".join((ROOT / kit.MEMBERS["README.md"]).read_text(encoding="utf-8").split())
+    text = " ".join((ROOT / MEMBERS["README.md"]).read_text(encoding="utf-8").split())
     for needle in ("mesure_memoire.py estimate", "mesure_memoire.py environment",
                    "mesure_memoire.py measure", "mesure_memoire.py predict",
                    "mesure_memoire.py compare", "calcul_forfaits.py --gpu",
@@ -355,12 +356,12 @@ def test_end_to_end_from_the_extracted_kit_alone(tmp_path):
     assert zips[0].read_bytes() == zips[1].read_bytes()
     members = zip_members(zips[0])
     for member in ("mesure_memoire.py", "calcul_forfaits.py"):
-        assert members[PREFIX + member] == (ROOT / kit.MEMBERS[member]).read_bytes()
+        assert members[PREFIX + member] == (ROOT / MEMBERS[member]).read_bytes()
 
     workdir = tmp_path / "vide"
     workdir.mkdir()
     folder = extract(zips[0], workdir)
-    assert sorted(p.name for p in workdir.iterdir()) == [kit.KIT_NAME]
+    assert sorted(p.name for p in workdir.iterdir()) == [KIT_NAME]
     for target in (zips[0], folder):
         checked = run([sys.executable, "-m", "lab_helpers.kit", "verify", str(target)], cwd=ROOT)
         assert checked.returncode == 0, checked.stderr

@@ -14,7 +14,10 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from lab_helpers import notebook_strip, notebook_sync
+from lab_helpers.build.bundle import MAIN_GUARD, STANDALONE
+from lab_helpers.build.strip import strip_bytes
+from lab_helpers.build.sync import (BANNER, NOTEBOOK_ROOTS, TAG_PREFIX, SyncError, cell_source, generated_cells,
+                                    notebook_code, notebook_code_upto, notebook_sources, sync)
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -51,7 +54,7 @@ def test_committed_without_outputs_or_execution_counts(path):
         assert dirty == [], (f"{path.name} ({label}): cell {dirty[0]} has outputs or an execution count;"
                              " run `make test` once (it sets git's notebook filter), "
                              "then `git add` the notebook again")
-        assert notebook_strip.strip_bytes(data) == data, (
+        assert strip_bytes(data) == data, (
             f"{path.name} ({label}): volatile metadata committed; `git add` it again with the filter set")
 
 
@@ -70,35 +73,111 @@ def test_imports_no_project_module(path):
 
 
 def test_generated_cells_match_the_library():
-    stale = notebook_sync.sync(check=True)
+    stale = sync(check=True)
     assert stale == [], f"generated cells drifted from lab_helpers: {stale}; run `make sync`"
 
 
-def test_sync_check_command_names_the_fix(tmp_path):
-    for rel in ["notebooks", "lab_helpers"]:
-        (tmp_path / rel).mkdir()
-    for notebook, sources in notebook_sync.NOTEBOOK_SOURCES.items():
+def copy_checkout(tmp_path: Path, table: dict) -> None:
+    """The notebooks of `table` and every module their cells take, copied under `tmp_path`."""
+    for notebook in table:
+        (tmp_path / notebook).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / notebook).write_bytes((ROOT / notebook).read_bytes())
-        for source in sources:
+        for source in notebook_sources(notebook, ROOT, table):
+            (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / source).write_bytes((ROOT / source).read_bytes())
-    edited = tmp_path / "lab_helpers" / "plots.py"
+
+
+def test_sync_check_command_names_the_fix(tmp_path):
+    copy_checkout(tmp_path, NOTEBOOK_ROOTS)
+    edited = tmp_path / "lab_helpers" / "views" / "plots.py"
     edited.write_text(edited.read_text() + "\nEDITED_ONLY_IN_THE_LIBRARY = 1\n")
-    both = ["notebooks/mesure-memoire.ipynb <- lab_helpers/plots.py",
-            "notebooks/pic-vs-reserve.ipynb <- lab_helpers/plots.py",
-            "notebooks/real-model.ipynb <- lab_helpers/plots.py"]
-    assert notebook_sync.sync(tmp_path, check=True) == both
-    assert notebook_sync.sync(tmp_path) == both
-    assert notebook_sync.sync(tmp_path, check=True) == []
-    code = notebook_sync.notebook_code("notebooks/mesure-memoire.ipynb", "lab_helpers/plots.py", tmp_path)
+    both = ["notebooks/mesure-memoire.ipynb <- lab_helpers/views/plots.py",
+            "notebooks/pic-vs-reserve.ipynb <- lab_helpers/views/plots.py",
+            "notebooks/real-model.ipynb <- lab_helpers/views/plots.py"]
+    assert sync(tmp_path, check=True) == both
+    assert sync(tmp_path) == both
+    assert sync(tmp_path, check=True) == []
+    code = notebook_code("notebooks/mesure-memoire.ipynb", "lab_helpers/views/plots.py", tmp_path)
     assert "EDITED_ONLY_IN_THE_LIBRARY = 1" in code
     # a generated cell opened and saved is no drift; a write closes it again
     path = tmp_path / "notebooks/forfaits.ipynb"
     nb = nbformat.read(path, as_version=4)
-    notebook_sync.generated_cells(nb)["lab_helpers/grid.py"].metadata["jupyter"]["source_hidden"] = False
+    generated_cells(nb)["lab_helpers/pricing/grid.py"].metadata["jupyter"]["source_hidden"] = False
     nbformat.write(nb, path)
-    assert notebook_sync.sync(tmp_path, check=True) == []
-    assert notebook_sync.sync(tmp_path) == []
+    assert sync(tmp_path, check=True) == []
+    assert sync(tmp_path) == []
     assert path.read_bytes() == (ROOT / "notebooks/forfaits.ipynb").read_bytes()
+
+
+# A table of modules this checkout has whatever else moves: the synthetic network's roots.
+SYNTHETIC_TABLE = {"notebooks/pic-vs-reserve.ipynb": ("lab_helpers/synthetic/measure.py",
+                                                      "lab_helpers/synthetic/predict.py")}
+
+
+def test_sync_writes_one_cell_per_module_of_the_closure(tmp_path):
+    copy_checkout(tmp_path, SYNTHETIC_TABLE)
+    notebook = "notebooks/pic-vs-reserve.ipynb"
+    before = nbformat.read(tmp_path / notebook, as_version=4)
+    sources = notebook_sources(notebook, tmp_path, SYNTHETIC_TABLE)
+    assert sources[-2:] == ["lab_helpers/synthetic/measure.py", "lab_helpers/synthetic/predict.py"]
+    assert sources.index("lab_helpers/core/errors.py") < sources.index("lab_helpers/core/files.py")
+    old = [source for source in generated_cells(before) if source not in sources]
+    assert sync(tmp_path, check=True, table=SYNTHETIC_TABLE) == (
+        [f"{notebook} <- {source}" for source in sources] + [f"{notebook}: drops {source}" for source in old])
+    assert nbformat.read(tmp_path / notebook, as_version=4) == before  # --check writes nothing
+    sync(tmp_path, table=SYNTHETIC_TABLE)
+    written = (tmp_path / notebook).read_bytes()
+    assert sync(tmp_path, check=True, table=SYNTHETIC_TABLE) == []
+    assert sync(tmp_path, table=SYNTHETIC_TABLE) == [] and (tmp_path / notebook).read_bytes() == written
+    assert strip_bytes(written) == written  # what git stores: no outputs, collapsed
+    nb = nbformat.read(tmp_path / notebook, as_version=4)
+    nbformat.validate(nb)
+    lessons = [cell for cell in nb.cells if not cell_source(cell)]
+    assert lessons == [cell for cell in before.cells if not cell_source(cell)]  # lesson cells untouched
+    cells = [cell for cell in nb.cells if cell_source(cell)]
+    assert [cell_source(cell) for cell in cells] == sources
+    for cell in cells:
+        assert cell.source.splitlines()[0] == BANNER.format(source=cell_source(cell))
+        assert cell.metadata["jupyter"]["source_hidden"] is True and cell.outputs == []
+        assert not re.search(r"^\s*(from|import)\s+lab_helpers\b", cell.source, re.MULTILINE)
+        assert MAIN_GUARD not in cell.source
+    # the library's own names, not renamed: the lesson's calls run as they would in a script
+    code = notebook_code_upto(notebook, root=tmp_path)
+    namespace = {"__name__": "notebook_kernel"}
+    exec(compile(code, "notebook-cells", "exec"), namespace)
+    from lab_helpers.synthetic.network import MeasureConfig
+    from lab_helpers.synthetic.predict import predict
+    config = namespace["MeasureConfig"](batch=2, width=32)
+    assert namespace["predict"](config) == predict(MeasureConfig(batch=2, width=32))
+    # an edit of one module makes that one cell stale
+    edited = tmp_path / "lab_helpers" / "core" / "tables.py"
+    edited.write_text(edited.read_text() + "\nEDITED_ONLY_IN_THE_LIBRARY = 1\n")
+    assert sync(tmp_path, check=True, table=SYNTHETIC_TABLE) == [f"{notebook} <- lab_helpers/core/tables.py"]
+
+
+def test_sync_refuses_what_it_cannot_build(tmp_path):
+    copy_checkout(tmp_path, SYNTHETIC_TABLE)
+    notebook = "notebooks/pic-vs-reserve.ipynb"
+    with pytest.raises(SyncError, match="^absent.ipynb is not a generated notebook"):
+        sync(tmp_path, only=["absent.ipynb"], table=SYNTHETIC_TABLE)
+    with pytest.raises(SyncError, match="its root lab_helpers/synthetic/absent.py is not a module file"):
+        sync(tmp_path, table={notebook: ("lab_helpers/synthetic/absent.py",)})
+    # one namespace per notebook: a name two of its modules define is refused, not renamed
+    twice = tmp_path / "lab_helpers" / "synthetic" / "twice.py"
+    twice.write_text("from lab_helpers.synthetic.predict import predict\n\n\ndef compare():\n    return predict\n")
+    with pytest.raises(SyncError, match="compare is defined at top level in both"):
+        sync(tmp_path, check=True, table={notebook: ("lab_helpers/synthetic/twice.py",)})
+    # the generated cells stand together, where the notebook put them
+    nb = nbformat.read(tmp_path / notebook, as_version=4)
+    first = next(n for n, cell in enumerate(nb.cells) if cell_source(cell))
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell("x = 1"))
+    nbformat.write(nb, tmp_path / notebook)
+    with pytest.raises(SyncError, match="generated cells are not together"):
+        sync(tmp_path, check=True, table=SYNTHETIC_TABLE)
+    nb.cells = [cell for cell in nb.cells if not cell_source(cell)]
+    nbformat.write(nb, tmp_path / notebook)
+    with pytest.raises(SyncError, match="has no generated cell"):
+        sync(tmp_path, check=True, table=SYNTHETIC_TABLE)
 
 
 def test_check_cli_exit_status():
@@ -108,35 +187,42 @@ def test_check_cli_exit_status():
 
 
 def test_generated_cells_drop_the_main_block_and_library_imports():
-    for notebook, sources in notebook_sync.NOTEBOOK_SOURCES.items():
-        for source in sources:
-            code = notebook_sync.notebook_code(notebook, source)
-            assert notebook_sync.MAIN_GUARD not in code
-            assert notebook_sync.LIBRARY_ONLY_START not in code
+    for notebook in NOTEBOOK_ROOTS:
+        for source in notebook_sources(notebook):
+            code = notebook_code(notebook, source)
+            assert MAIN_GUARD not in code
+            assert "# >>> library only" not in code
+            assert not re.search(r"^\s*(from|import)\s+lab_helpers\b", code, re.MULTILINE)
+
+
+def test_the_real_model_notebook_inlines_no_launcher_and_no_synthetic_network():
+    sources = notebook_sources("notebooks/real-model.ipynb")
+    assert [s for s in sources if s.startswith(("lab_helpers/launch/", "lab_helpers/synthetic/"))] == []
 
 
 # --- the lesson comes first; cells call the library, they do not restate it ---------------
 
 def _generated_source(cell) -> str:
-    tags = [t for t in cell.metadata.get("tags", []) if t.startswith(notebook_sync.TAG_PREFIX)]
-    return tags[0][len(notebook_sync.TAG_PREFIX):] if tags else None
+    tags = [t for t in cell.metadata.get("tags", []) if t.startswith(TAG_PREFIX)]
+    return tags[0][len(TAG_PREFIX):] if tags else None
 
 
-@pytest.mark.parametrize("notebook", sorted(notebook_sync.NOTEBOOK_SOURCES), ids=lambda n: Path(n).name)
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOK_ROOTS), ids=lambda n: Path(n).name)
 def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
     # what is committed: a cell you opened in your working copy is stored collapsed by the filter
     data = next(iter(committed_forms(ROOT / notebook).values()))
     nb = nbformat.reads(data.decode("utf-8"), as_version=4)
     numbers = [n for n, c in enumerate(nb.cells, start=1) if _generated_source(c)]
-    sources = notebook_sync.NOTEBOOK_SOURCES[notebook]
+    sources = notebook_sources(notebook)
     assert [_generated_source(nb.cells[n - 1]) for n in numbers] == list(sources)
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "generated cells stay together"
     for n in numbers:
         assert nb.cells[n - 1].metadata.get("jupyter", {}).get("source_hidden") is True, f"cell {n} is open"
+        source = _generated_source(nb.cells[n - 1])
+        assert nb.cells[n - 1].source.splitlines()[0] == BANNER.format(source=source), f"cell {n} does not name {source}"
     intro = nb.cells[numbers[0] - 2]
     assert intro.cell_type == "markdown" and "\n" not in intro.source.strip() and len(intro.source) <= 260
-    for source in sources:
-        assert f"`{source}`" in intro.source, f"cell {numbers[0] - 1} does not name {source}"
+    assert "`lab_helpers/`" in intro.source, f"cell {numbers[0] - 1} does not say where the code comes from"
     assert "make sync" in intro.source
     first_code = next(n for n, c in enumerate(nb.cells, start=1) if c.cell_type == "code")
     assert first_code < numbers[0], "the parameters come before the generated code"
@@ -145,16 +231,21 @@ def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
 def _library_definitions() -> tuple:
     """Return (name -> module file) for the top-level functions, classes and ALL_CAPS constants of
     lab_helpers, and (int value -> constant name) for its byte-size constants (`*_BYTES`, 512 and more):
-    a count limit that happens to equal 1024 is not a restated allocator size."""
+    a count limit that happens to equal 1024 is not a restated allocator size. A name's file is its
+    home in the package, never a generated standalone file."""
     names, values = {}, {}
-    for path in sorted((ROOT / "lab_helpers").glob("*.py")):
+    generated = {target.path for target in STANDALONE}
+    for path in sorted((ROOT / "lab_helpers").rglob("*.py")):
+        home = path.relative_to(ROOT).as_posix()
+        if home in generated:
+            continue
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.setdefault(node.name, path.name)
+                names.setdefault(node.name, home)
             elif isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name) and target.id.isupper():
-                        names.setdefault(target.id, path.name)
+                        names.setdefault(target.id, home)
                         value = _constant_value(node.value)
                         if (target.id.endswith("_BYTES") and isinstance(value, int)
                                 and not isinstance(value, bool) and value >= 512):
@@ -185,7 +276,7 @@ def restated_library_names(nb) -> list:
         code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
         for node in ast.parse(code).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
-                found.append(f"cell {number}: defines {node.name}, already in lab_helpers/{names[node.name]}")
+                found.append(f"cell {number}: defines {node.name}, already in {names[node.name]}")
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
@@ -193,8 +284,7 @@ def restated_library_names(nb) -> list:
                         continue
                     value = _constant_value(node.value) if node.value is not None else None
                     if target.id in names:
-                        found.append(f"cell {number}: assigns {target.id}, already in "
-                                     f"lab_helpers/{names[target.id]}")
+                        found.append(f"cell {number}: assigns {target.id}, already in {names[target.id]}")
                     elif isinstance(value, int) and value in values:
                         found.append(f"cell {number}: {target.id} = {value} restates {values[value]}")
     return found
@@ -214,12 +304,78 @@ def test_the_restatement_check_catches_what_it_should():
         nbformat.v4.new_code_cell("def load_grid(p):\n    pass",
                                   metadata={"tags": ["generated-from:lab_helpers/grid.py"]}),
     ])
+    price_home = _library_definitions()[0]["gpu_day_price"]  # the pricing module, wherever it lives
+    assert price_home.startswith("lab_helpers/") and price_home not in {t.path for t in STANDALONE}
     assert restated_library_names(nb) == [
-        "cell 1: defines gpu_day_price, already in lab_helpers/calcul_forfaits.py",
-        "cell 2: assigns MIN_BLOCK_BYTES, already in lab_helpers/mesure_memoire.py",
+        f"cell 1: defines gpu_day_price, already in {price_home}",
+        "cell 2: assigns MIN_BLOCK_BYTES, already in lab_helpers/allocator/model.py",
         "cell 2: OWN_SEGMENT_MIN_BYTES = 10485760 restates MIN_LARGE_ALLOC_BYTES",
-        "cell 3: defines AllocatorModel, already in lab_helpers/mesure_memoire.py",
+        "cell 3: defines AllocatorModel, already in lab_helpers/allocator/model.py",
     ]
+
+
+# what a Jupyter kernel defines besides the builtins
+KERNEL_NAMES = {"display", "get_ipython", "In", "Out", "__name__"}
+
+
+def bound_names(tree, everywhere: bool) -> set:
+    """Names `tree` binds: at its top level only (what a cell leaves in the kernel's namespace), or
+    `everywhere` (function parameters and locals too, so that a lesson's own names are never reported)."""
+    names = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(child.name)
+                if not everywhere:
+                    continue
+            if not everywhere and isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+                                                     ast.GeneratorExp)):
+                continue
+            if isinstance(child, ast.Name) and isinstance(child.ctx, (ast.Store, ast.Del)):
+                names.add(child.id)
+            elif isinstance(child, ast.arg):
+                names.add(child.arg)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in child.names)
+            elif isinstance(child, ast.ExceptHandler) and child.name:
+                names.add(child.name)
+            elif isinstance(child, (ast.Global, ast.Nonlocal)):
+                names.update(child.names)
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def names_the_notebook_lacks(nb) -> list:
+    """Names the lesson cells read that neither they, the generated cells nor the kernel define: a
+    library name a lesson still spells the old way (`x_timeline`, `mm.predict`) shows up here."""
+    import builtins
+    generated = set().union(*(bound_names(ast.parse(c.source), False) for c in nb.cells if _generated_source(c)))
+    lessons = [ast.parse("\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                                   for line in c.source.splitlines()))
+               for c in nb.cells if c.cell_type == "code" and not _generated_source(c)]
+    own = set().union(*(bound_names(tree, True) for tree in lessons))
+    read = {node.id for tree in lessons for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return sorted(read - own - generated - set(dir(builtins)) - KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_lesson_cells_read_only_names_the_notebook_defines(path):
+    assert names_the_notebook_lacks(nbformat.read(path, as_version=4)) == []
+
+
+def test_the_missing_name_check_catches_what_it_should():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("from pathlib import Path\n\n\ndef load_timeline(p):\n    return [p]",
+                                  metadata={"tags": ["generated-from:lab_helpers/views/timeline.py"]}),
+        nbformat.v4.new_code_cell("%matplotlib inline\nrows = load_timeline(Path('t.json'))\n"
+                                  "peaks = phase_peaks_timeline(rows)\nprint(mm.predict(rows), len(peaks))"),
+        nbformat.v4.new_code_cell("def f(x):\n    local = x\n    return [y for y in local]\ndisplay(f(rows))"),
+    ])
+    assert names_the_notebook_lacks(nb) == ["mm", "phase_peaks_timeline"]
 
 
 GRID_LINES = [
@@ -233,8 +389,10 @@ GRID_LINES = [
 
 
 def test_forfaits_notebook_runs_the_library_grid_and_calculator(tmp_path):
-    from lab_helpers import calcul_forfaits, grid
-    code = notebook_sync.notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/grid.py")
+    from lab_helpers.pricing.card import load_card
+    from lab_helpers.pricing.forfait import gpu_day_price
+    from lab_helpers.pricing.grid import load_grid, model_costs, row_costs
+    code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/pricing/grid.py")
     module_path = tmp_path / "forfaits_cells.py"
     module_path.write_text(code, encoding="utf-8")
     spec = importlib.util.spec_from_file_location("forfaits_cells", module_path)
@@ -247,13 +405,13 @@ def test_forfaits_notebook_runs_the_library_grid_and_calculator(tmp_path):
     card_path = ROOT / "data" / "tarifs-forfaits.csv"
     grid_path = tmp_path / "resultats-bruts.csv"
     grid_path.write_text("\n".join(GRID_LINES) + "\n", encoding="utf-8")
-    card, nb_card = calcul_forfaits.load_card(card_path), cells.load_card(card_path)  # after grid's cell
+    card, nb_card = load_card(card_path), cells.load_card(card_path)  # after grid's cell
     assert nb_card == card
-    assert [cells.gpu_day_price(row) for row in card] == [calcul_forfaits.gpu_day_price(row) for row in card]
-    rows = grid.load_grid(grid_path, card)
+    assert [cells.gpu_day_price(row) for row in card] == [gpu_day_price(row) for row in card]
+    rows = load_grid(grid_path, card)
     assert cells.load_grid(grid_path, card) == rows
-    assert cells.row_costs(rows, card) == grid.row_costs(rows, card)
-    assert cells.model_costs(cells.row_costs(rows, card)) == grid.model_costs(grid.row_costs(rows, card))
+    assert cells.row_costs(rows, card) == row_costs(rows, card)
+    assert cells.model_costs(cells.row_costs(rows, card)) == model_costs(row_costs(rows, card))
     with pytest.raises(cells.GridError, match="line 2"):
         bad = tmp_path / "bad.csv"
         bad.write_text(GRID_LINES[0] + "\n" + GRID_LINES[1].replace(",1000,", ",9999,") + "\n", encoding="utf-8")
