@@ -31,7 +31,7 @@ def transformers_config(shape: ModelShape):
     return config
 
 
-def import_model_code(hf_config) -> None:
+def _import_model_code(hf_config) -> None:
     """Import everything building the model imports, outside any phase.
 
     transformers imports some modules lazily on the first build; one of them (torchaudio's
@@ -136,6 +136,8 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     every size from a copy of it). At tensor parallel N, `mesh` is this rank's
     one-dimensional DeviceMesh (NCCL on a GPU, the fake backend on meta): the skeleton is
     built on meta before the phase and model_load allocates the local shards."""
+    if stop_after not in (None, "model_load"):
+        raise ValueError(f"stop_after must be None or 'model_load', got {stop_after!r}")
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -143,7 +145,7 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     dtype = getattr(torch, spec.dtype)
     state = {}
     if model is None:
-        import_model_code(hf_config)
+        _import_model_code(hf_config)
     if spec.tensor_parallel > 1 and mesh is None:
         raise LabError("tensor parallel > 1 needs a device mesh")
     skeleton = (_tensor_parallel_skeleton(hf_config, dtype, mesh)
@@ -182,8 +184,6 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
                              logits_to_keep=1)
         state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
-    if stop_after not in (None, "model_load"):
-        raise ValueError(f"stop_after must be None or 'model_load', got {stop_after!r}")
     if model is None:
         phase("model_load", load_model, None, True)
         if stop_after == "model_load":
@@ -218,9 +218,10 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
     holds the timeline, weights, inputs, KV cache and workspaces labelled."""
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers
     except Exception as exc:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+    del transformers  # imported only to fail here, before the GPU is touched, if it cannot
     device = _check_cuda(torch, spec)
     torch.cuda.set_device(device)
     torch.cuda.init()
@@ -276,10 +277,11 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
     info = launch_info(spec.tensor_parallel, command)  # LabError before torch touches a GPU
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers
         from torch.distributed.device_mesh import DeviceMesh
     except Exception as exc:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+    del transformers  # imported only to fail here, before the GPU is touched, if it cannot
     spec = replace(spec, device=info.device)
     device = _check_cuda(torch, spec)
     torch.cuda.init()
