@@ -126,9 +126,9 @@ def print_model_result(args, result: dict, table) -> None:
 
 def handle_predict(args) -> int:
     shape = load_config(args.config)
-    check_tensor_parallel(shape, args.tensor_parallel)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
+    # predict_model checks that the plan splits the model this many ways, before torch is imported
     print_model_result(args, predict_model(shape, spec), model_prediction_table)
     return EXIT_OK
 
