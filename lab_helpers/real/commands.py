@@ -184,8 +184,7 @@ def measure_command_result(args) -> "dict | None":
                    device=args.device or "cuda:0", seed=args.seed)
     output = Path(args.output)
     if degree > 1:
-        argv = getattr(args, "command_argv", None)
-        command = ["-m", "lab_helpers.real_model", *(sys.argv[1:] if argv is None else argv)]
+        command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
         document = measure_model_parallel(shape, spec, command, output)
         if document is None:
             return None
