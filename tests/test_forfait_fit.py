@@ -5,12 +5,16 @@ import os
 import pytest
 
 from conftest import ROOT, load_module
-from lab_helpers import forfait_fit, real_model
-from lab_helpers.calcul_forfaits import load_card
-from lab_helpers.model_config import load_config
+from lab_helpers.pricing.card import load_card
+from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES, cheapest_forfaits, format_card_fit
+from lab_helpers.real.commands import main
+from lab_helpers.real.config import load_config
+from lab_helpers.real.fit import MEASURED_NCCL_OUTSIDE
+from lab_helpers.real.predict import predict_model
+from lab_helpers.real.spec import RunSpec
 
 CARD = ROOT / "data" / "tarifs-forfaits.csv"
-H200_USABLE = 149380136960  # real_model.MEASURED_USABLE["h200-sxm"], measured on the GPU
+H200_USABLE = 149380136960  # lab_helpers.real.fit.MEASURED_USABLE["h200-sxm"], measured on the GPU
 QWEN = ["fit", "--card", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "128", "--new-tokens", "4"]
 
 # qwen1.5-0.5b fits one GPU of every model of the card: degree 1, one lot each; the 7-day lot
@@ -31,7 +35,7 @@ DERIVED_BUDGETS = {24: 25426406291, 40: 42377343818, 48: 50852812582, 80: 847546
 def run(argv, capsys):
     """(exit status, stdout, stderr) of real_model's main, in this process."""
     try:
-        status = real_model.main(argv)
+        status = main(argv)
     except SystemExit as exc:  # argparse's usage errors
         status = exc.code
     out, err = capsys.readouterr()
@@ -44,7 +48,7 @@ def qwen_result():
     from contextlib import redirect_stdout
     buffer = StringIO()
     with redirect_stdout(buffer):
-        status = real_model.main(QWEN + ["--days", "7", "--accepted-results", "2"])
+        status = main(QWEN + ["--days", "7", "--accepted-results", "2"])
     assert status == 0
     return json.loads(buffer.getvalue())
 
@@ -77,8 +81,8 @@ def test_qwen_budgets_measured_or_derived_by_the_stated_rule(qwen_result):
 
 def test_qwen_peaks_are_the_one_gpu_prediction(qwen_result):
     shape = load_config("qwen1.5-0.5b")
-    spec = real_model.RunSpec("qwen1.5-0.5b", batch=1, context=128, new_tokens=4, decode_record_every=4)
-    overall = real_model.predict_model(shape, spec)["overall"]
+    spec = RunSpec("qwen1.5-0.5b", batch=1, context=128, new_tokens=4, decode_record_every=4)
+    overall = predict_model(shape, spec)["overall"]
     for row in qwen_result["rows"]:
         assert row["peak_reserved_bytes"] == overall["peak_reserved_bytes"]
         assert row["peak_allocated_bytes"] == overall["peak_allocated_bytes"]
@@ -86,7 +90,7 @@ def test_qwen_peaks_are_the_one_gpu_prediction(qwen_result):
 
 
 def test_qwen_table_for_people(qwen_result):
-    text = forfait_fit.format_card_fit(qwen_result)
+    text = format_card_fit(qwen_result)
     lines = text.splitlines()
     assert lines[0] == ("qwen1.5-0.5b bfloat16, batch 1, context 128, 4 new tokens: 7-day forfaits of "
                         "tarifs-forfaits.csv (snapshot 2026-09-24)")
@@ -112,7 +116,7 @@ def small_card(tmp_path, models):
     return load_card(path)
 
 
-NCCL = 977272832  # per rank, measured on two H200s at tensor parallel 2 (real_model.MEASURED_NCCL_OUTSIDE)
+NCCL = 977272832  # per rank, measured on two H200s at tensor parallel 2 (lab_helpers.real.fit.MEASURED_NCCL_OUTSIDE)
 
 
 class Predictor:
@@ -132,8 +136,8 @@ class Predictor:
 def cheapest(rows, predictor, **kwargs):
     # llama-3.1-8b: 32 heads, 8 key/value heads, untied embeddings: degrees 1, 2, 4 and 8 allowed
     shape = load_config("llama-3.1-8b")
-    spec = real_model.RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
-    return forfait_fit.cheapest_forfaits(shape, spec, 7, rows, fits=predictor, **kwargs)
+    spec = RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
+    return cheapest_forfaits(shape, spec, 7, rows, fits=predictor, **kwargs)
 
 
 def test_sorted_by_price_then_fewer_gpus_then_model_id(tmp_path):
@@ -186,7 +190,7 @@ def test_one_prediction_per_degree_and_budget(tmp_path):
     assert sorted(predictor.calls) == sorted(set(predictor.calls))
     # each degree tried once with no cap; a budget below that run's peak once more. 48 GB (x, y, z):
     # degree 1 below the peak, 2 at or above it; 24 GB (w): 1, 2 and 4 below, 8 at or above
-    uncapped = forfait_fit.UNCAPPED_BUDGET_BYTES
+    uncapped = UNCAPPED_BUDGET_BYTES
     assert predictor.calls == [(1, uncapped), (1, DERIVED_BUDGETS[48]), (2, uncapped),
                                (1, DERIVED_BUDGETS[24]), (2, DERIVED_BUDGETS[24] - NCCL),
                                (4, uncapped), (4, DERIVED_BUDGETS[24] - NCCL), (8, uncapped)]
@@ -200,7 +204,7 @@ def test_nothing_fits(tmp_path):
     result = cheapest(rows, Predictor(10**18))
     assert result["cheapest"] is None
     assert [(r["gpu"], r["fits"]) for r in result["rows"]] == [("x", False)]
-    assert "does not fit" in forfait_fit.format_card_fit(result)
+    assert "does not fit" in format_card_fit(result)
 
 
 def test_half_up_where_half_even_and_truncation_differ(tmp_path):
@@ -311,16 +315,18 @@ def test_the_notebook_copy_gives_the_same_answer(tmp_path):
     cells = load_module(path)
     rows = small_card(tmp_path, [("pair", 2, 48, 300), ("one", 1, 48, 200), ("tiny", 1, 8, 1)])
     shape = load_config("llama-3.1-8b")
-    spec = real_model.RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
-    library = forfait_fit.cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
-    # (the copy's bundled configs are looked up next to its file: the shape is the library's)
-    notebook = cells.cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
+    spec = RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
+    library = cheapest_forfaits(shape, spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
+    # (the copy's bundled configs are looked up next to its file: the shape is the library's; the run is
+    # the copy's own RunSpec, built from the same values)
+    copy_spec = cells.RunSpec("llama-3.1-8b", batch=1, context=8, new_tokens=1)
+    notebook = cells.cheapest_forfaits(shape, copy_spec, 7, rows, 3, fits=Predictor(DERIVED_BUDGETS[48] * 3))
     assert notebook == library
-    assert cells.format_card_fit(notebook) == forfait_fit.format_card_fit(library)
+    assert cells.format_card_fit(notebook) == format_card_fit(library)
 
 
 def test_nccl_bytes_measured_on_the_h200_at_two(tmp_path):
-    assert real_model.MEASURED_NCCL_OUTSIDE[("h200-sxm", 2)][0] == NCCL
+    assert MEASURED_NCCL_OUTSIDE[("h200-sxm", 2)][0] == NCCL
     rows = small_card(tmp_path, [("h200-sxm", 1, 141, 900), ("h100-sxm", 1, 80, 400)])
     # more than one H200 holds: both need 2 GPUs
     result = cheapest(rows, Predictor(H200_USABLE + 1))

@@ -26,11 +26,13 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers import real_model  # noqa: E402
-from lab_helpers.mesure_memoire import parse_device  # noqa: E402
-from lab_helpers.model_config import load_config  # noqa: E402
+from lab_helpers.core.numbers import parse_device  # noqa: E402
+from lab_helpers.real.config import load_config  # noqa: E402
+from lab_helpers.real.fit import fit_model  # noqa: E402
+from lab_helpers.real.predict import compare_model  # noqa: E402
+from lab_helpers.real.spec import COUNTER_KEYS  # noqa: E402
 
-COUNTERS = real_model.COUNTER_KEYS
+COUNTERS = COUNTER_KEYS
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
 # The measuring processes see only the test's GPU: another group may be filling the other one.
 if "CUDA_VISIBLE_DEVICES" in os.environ:
@@ -75,7 +77,7 @@ def test_acceptance_prediction_matches_measurement(tmp_path, config, batch, cont
     proc, out = measure(tmp_path, config, batch, context, NEW_TOKENS)
     assert proc.returncode == 0, proc.stderr
     document = json.loads(out.read_text())
-    result = real_model.compare_model(document)
+    result = compare_model(document)
     for row in result["rows"]:
         report("real-model-acceptance.jsonl", {"config": config, "batch": batch, "context": context,
                                                "new_tokens": NEW_TOKENS, **row})
@@ -112,8 +114,8 @@ def test_acceptance_out_of_memory_exits_3_naming_the_phase_and_writes_no_file(tm
 def usable():
     # in a child that sees only the test's GPU, as the measuring processes do
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from lab_helpers import real_model; "
-         "print(real_model.usable_memory_bytes(sys.argv[1]))", CHILD_DEVICE],
+        [sys.executable, "-c", "import sys; from lab_helpers.real.fit import usable_memory_bytes; "
+         "print(usable_memory_bytes(sys.argv[1]))", CHILD_DEVICE],
         cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     value = int(proc.stdout.strip().splitlines()[-1])
@@ -136,7 +138,7 @@ def test_boundary_fit_finds_the_measured_out_of_memory_boundary(tmp_path, usable
         config = str(path)
     shape = load_config(config)
     started = time.perf_counter()
-    result = real_model.fit_model(shape, "bfloat16", 4, usable, "usable memory, measured", **{fixed: value})
+    result = fit_model(shape, "bfloat16", 4, usable, "usable memory, measured", **{fixed: value})
     report("real-model-boundaries.jsonl", {"config": shape.name, "fit": result,
                                            "fit_seconds": time.perf_counter() - started})
     largest = result[f"largest_{searched}_at_{fixed}"]

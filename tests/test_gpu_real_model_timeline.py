@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from lab_helpers import timeline as tl  # noqa: E402
-from lab_helpers.mesure_memoire import parse_device  # noqa: E402
-from lab_helpers.model_config import load_config  # noqa: E402
+from lab_helpers.core.numbers import parse_device  # noqa: E402
+from lab_helpers.real.config import load_config  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
 if "CUDA_VISIBLE_DEVICES" in os.environ:

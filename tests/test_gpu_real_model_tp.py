@@ -30,7 +30,10 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs 2 CUDA GPUs"),
               pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun on PATH")]
 
-from lab_helpers import real_model  # noqa: E402
+from lab_helpers.real.config import load_config  # noqa: E402
+from lab_helpers.real.fit import fits_at_degree, gpu_budget  # noqa: E402
+from lab_helpers.real.predict import compare_model  # noqa: E402
+from lab_helpers.real.spec import COUNTER_KEYS, RunSpec  # noqa: E402
 
 NEW_TOKENS = 4
 # a 4-layer llama of llama-3.1-8b's widths: fast to start, every split of the plan exercised
@@ -65,7 +68,7 @@ def measure_and_compare(tmp_path, config, batch, context):
     assert [r["rank"] for r in document["ranks"]] == [0, 1] and "phases" not in document
     assert document["configuration"]["tensor_parallel"] == 2
     started = time.perf_counter()
-    result = real_model.compare_model(document)
+    result = compare_model(document)
     predict_seconds = time.perf_counter() - started
     for row in result["rows"]:
         report("real-model-tp-acceptance.jsonl", {"config": str(config), "batch": batch, "context": context,
@@ -98,16 +101,16 @@ def test_small_llama_at_tp2_every_rank_exact(tmp_path):
     _, result = measure_and_compare(tmp_path, path, 2, 1024)
     check(result)
     for row in result["rows"]:  # a small model: every counter, reserved too, exact
-        for key in real_model.COUNTER_KEYS:
+        for key in COUNTER_KEYS:
             assert row[f"difference_{key}"] == 0, (row["rank"], row["phase"], row["index"], key, row)
 
 
 @pytest.mark.parametrize("context", [32768, 65536])
 def test_acceptance_70b_at_tp2_beyond_one_h200(tmp_path, context):
-    shape = real_model.load_shape("llama-3.1-70b")
-    spec = real_model.RunSpec("llama-3.1-70b", batch=1, context=context, new_tokens=NEW_TOKENS)
-    one, _ = real_model.gpu_budget("h200-sxm")
-    assert real_model.fits_at_degree(shape, spec, 1, one)["fits"] is False  # needs the second GPU
+    shape = load_config("llama-3.1-70b")
+    spec = RunSpec("llama-3.1-70b", batch=1, context=context, new_tokens=NEW_TOKENS)
+    one, _ = gpu_budget("h200-sxm")
+    assert fits_at_degree(shape, spec, 1, one)["fits"] is False  # needs the second GPU
     _, result = measure_and_compare(tmp_path, "llama-3.1-70b", 1, context)
     check(result)
 

@@ -4,15 +4,19 @@ fits_at_degree per rank, compare on a tensor-parallel file, and the refusals."""
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from lab_helpers import mesure_memoire, real_model
-from lab_helpers.alloc_trace import AddressedAllocator, AllocationTracer
-from lab_helpers.model_config import ConfigError, check_tensor_parallel, load_config, parse_config
+from lab_helpers.core.errors import LabError
+from lab_helpers.real.commands import main
+from lab_helpers.real.config import ConfigError, check_tensor_parallel, load_config, parse_config
+from lab_helpers.real.fit import fits_at_degree, gpu_budget
+from lab_helpers.real.predict import fake_process_group, predict_model
+from lab_helpers.real.protocol import run_protocol
+from lab_helpers.real.spec import RunSpec
+from lab_helpers.real.tracer import AddressedAllocator, AllocationTracer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -22,7 +26,7 @@ EVENTS = json.loads((Path(__file__).parent / "tp2_tiny_llama_h200_events.json").
 
 def run_main(capsys, *argv):
     try:
-        code = real_model.main([str(a) for a in argv])
+        code = main([str(a) for a in argv])
     except SystemExit as exc:
         code = exc.code
     out = capsys.readouterr()
@@ -52,8 +56,8 @@ def local_weight_bytes(shape, degree: int) -> int:
 # ------------------------------------------------------------------ predict
 def test_tiny_llama_at_tp2_every_rank_predicted_with_the_local_shards():
     shape = parse_config(TINY, "tiny")
-    prediction = real_model.predict_model(shape, real_model.RunSpec("tiny", context=16, new_tokens=3),
-                                          tensor_parallel=2)
+    prediction = predict_model(shape, RunSpec("tiny", context=16, new_tokens=3),
+                               tensor_parallel=2)
     assert "phases" not in prediction
     assert prediction["configuration"]["tensor_parallel"] == 2
     assert [r["rank"] for r in prediction["ranks"]] == [0, 1]
@@ -69,15 +73,16 @@ def test_tiny_llama_at_tp2_every_rank_predicted_with_the_local_shards():
     assert prediction["overall"]["peak_reserved_bytes"] == max(
         p["peak_reserved_bytes"] for r in prediction["ranks"] for p in r["phases"])
     # a one-GPU prediction keeps its format: no tensor_parallel, top-level phases
-    one = real_model.predict_model(shape, real_model.RunSpec("tiny", context=16, new_tokens=3))
+    one = predict_model(shape, RunSpec("tiny", context=16, new_tokens=3))
     assert "tensor_parallel" not in one["configuration"] and "ranks" not in one
     assert one["phases"][0]["end_allocated_bytes"] > load["end_allocated_bytes"]
 
 
 def test_70b_at_tp2_both_ranks_predicted_on_the_cpu_in_bounded_time():
     script = ("import resource, time, json; t = time.perf_counter();"
-              "from lab_helpers import real_model; from lab_helpers.model_config import load_config;"
-              "p = real_model.predict_model(load_config('llama-3.1-70b'), real_model.RunSpec('llama-3.1-70b', "
+              "from lab_helpers.real.config import load_config; from lab_helpers.real.predict import predict_model;"
+              "from lab_helpers.real.spec import RunSpec;"
+              "p = predict_model(load_config('llama-3.1-70b'), RunSpec('llama-3.1-70b', "
               "batch=1, context=32768, new_tokens=4), tensor_parallel=2);"
               "print(json.dumps({'seconds': time.perf_counter() - t, "
               "'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 'ranks': p['ranks'], 'overall': p['overall']}))")
@@ -91,10 +96,10 @@ def test_70b_at_tp2_both_ranks_predicted_on_the_cpu_in_bounded_time():
         assert prefill["bytes_at_end"]["kv_cache_bytes"] == 2 * 80 * 1 * 4 * 32768 * 128 * 2
     assert result["ranks"][0]["phases"] == result["ranks"][1]["phases"]
     # beyond one H200 (weights and cache alone exceed it), within two
-    one, _ = real_model.gpu_budget("h200-sxm")
-    two, _ = real_model.gpu_budget("h200-sxm", tensor_parallel=2)
-    spec = real_model.RunSpec("llama-3.1-70b", batch=1, context=32768, new_tokens=4)
-    assert real_model.fits_at_degree(shape, spec, 1, one)["fits"] is False
+    one, _ = gpu_budget("h200-sxm")
+    two, _ = gpu_budget("h200-sxm", tensor_parallel=2)
+    spec = RunSpec("llama-3.1-70b", batch=1, context=32768, new_tokens=4)
+    assert fits_at_degree(shape, spec, 1, one)["fits"] is False
     assert result["overall"]["peak_reserved_bytes"] <= two
     assert result["rss_kib"] < 2 * 2**20  # no weight was materialised
     assert result["seconds"] < 120, result  # about 10 s on an idle core
@@ -144,10 +149,10 @@ def test_the_tracer_replays_the_allocator_events_two_h200s_recorded_at_tp2():
             tracer.collect()
             seen[(name, index)] = allocator.events
 
-        spec = real_model.RunSpec("probe", batch=EVENTS["batch"], context=EVENTS["context"], new_tokens=1,
-                                  tensor_parallel=2)
-        with real_model.fake_process_group(rank, 2) as mesh:
-            real_model.run_protocol(shape, spec, torch.device("meta"), phase, mesh=mesh)
+        spec = RunSpec("probe", batch=EVENTS["batch"], context=EVENTS["context"], new_tokens=1,
+                       tensor_parallel=2)
+        with fake_process_group(rank, 2) as mesh:
+            run_protocol(shape, spec, torch.device("meta"), phase, mesh=mesh)
         assert canonical(seen[("prefill", None)]) == canonical(EVENTS[f"rank{rank}_prefill"])
         assert canonical(seen[("decode", 0)]) == canonical(EVENTS[f"rank{rank}_decode"])
         assert len(EVENTS[f"rank{rank}_decode"]) == 216
@@ -156,11 +161,11 @@ def test_the_tracer_replays_the_allocator_events_two_h200s_recorded_at_tp2():
 def test_no_process_group_is_left_behind_and_an_existing_one_is_refused():
     import torch.distributed as dist
     shape = parse_config(TINY, "tiny")
-    real_model.predict_model(shape, real_model.RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
+    predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
     assert not dist.is_initialized()
-    with real_model.fake_process_group(0, 2):
-        with pytest.raises(mesure_memoire.LabError, match="process group already exists"):
-            real_model.predict_model(shape, real_model.RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
+    with fake_process_group(0, 2):
+        with pytest.raises(LabError, match="process group already exists"):
+            predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
     assert not dist.is_initialized()
 
 
@@ -199,47 +204,47 @@ def test_degree_checks_and_run_spec_validation():
         with pytest.raises(ConfigError):
             check_tensor_parallel(shape, degree)
     for bad in (0, 65, True, "2"):
-        with pytest.raises(mesure_memoire.LabError, match="--tensor-parallel"):
-            real_model.RunSpec("x", tensor_parallel=bad).checked()
+        with pytest.raises(LabError, match="--tensor-parallel"):
+            RunSpec("x", tensor_parallel=bad)
 
 
 def test_an_architecture_without_a_plan_is_refused(monkeypatch):
     from transformers import LlamaConfig
     monkeypatch.setattr(LlamaConfig, "base_model_tp_plan", None)
     shape = parse_config(TINY, "tiny")
-    with pytest.raises(mesure_memoire.LabError, match="no tensor-parallel plan"):
-        real_model.predict_model(shape, real_model.RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
+    with pytest.raises(LabError, match="no tensor-parallel plan"):
+        predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
 
 
 # ---------------------------------------------------------- fit and budget
 def test_fits_at_degree_per_rank():
     shape = parse_config(TINY, "tiny")
-    spec = real_model.RunSpec("tiny", batch=2, context=64, new_tokens=2)
-    prediction = real_model.predict_model(shape, spec, tensor_parallel=2)
-    answer = real_model.fits_at_degree(shape, spec, 2, 2**30)
+    spec = RunSpec("tiny", batch=2, context=64, new_tokens=2)
+    prediction = predict_model(shape, spec, tensor_parallel=2)
+    answer = fits_at_degree(shape, spec, 2, 2**30)
     assert answer == {"fits": True, "reason": None,
                       "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
                       "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
-    too_small = real_model.fits_at_degree(shape, spec, 2, 100_000)  # below one rank's weights
+    too_small = fits_at_degree(shape, spec, 2, 100_000)  # below one rank's weights
     assert too_small["fits"] is False and too_small["peak_reserved_bytes"] is None and "per rank" in too_small["reason"]
     # the weights fit, the cuBLAS workspace (32 MiB) does not
-    no_room = real_model.fits_at_degree(shape, spec, 2, 4 * 2**20)
+    no_room = fits_at_degree(shape, spec, 2, 4 * 2**20)
     assert no_room["fits"] is False and "out of memory" in no_room["reason"]
-    wrong = real_model.fits_at_degree(shape, spec, 3, 2**30)
+    wrong = fits_at_degree(shape, spec, 3, 2**30)
     assert wrong["fits"] is False and "num_attention_heads" in wrong["reason"]
-    with pytest.raises(mesure_memoire.LabError):
-        real_model.fits_at_degree(shape, spec, 2, 0)
+    with pytest.raises(LabError):
+        fits_at_degree(shape, spec, 2, 0)
 
 
 def test_the_nccl_bytes_measured_at_tp2_on_the_h200_are_subtracted():
-    one, _ = real_model.gpu_budget("h200-sxm")
-    two, source = real_model.gpu_budget("h200-sxm", tensor_parallel=2)
+    one, _ = gpu_budget("h200-sxm")
+    two, source = gpu_budget("h200-sxm", tensor_parallel=2)
     assert two == one - 977272832 and "NCCL" in source and "measured" in source
 
 
 def test_an_unmeasured_degree_subtracts_nothing_and_says_so():
-    one, _ = real_model.gpu_budget("h200-sxm")
-    four, source = real_model.gpu_budget("h200-sxm", tensor_parallel=4)
+    one, _ = gpu_budget("h200-sxm")
+    four, source = gpu_budget("h200-sxm", tensor_parallel=4)
     assert four == one and "not measured" in source and "upper bound" in source
 
 
@@ -251,8 +256,8 @@ def test_fit_at_tp2_reports_one_rank_budget(tmp_path, capsys):
     result = json.loads(out)
     assert result["tensor_parallel"] == 2 and result["budget_bytes"] == 64 * 2**20 and result["fits"] is True
     shape = parse_config(TINY, "tiny")
-    spec = real_model.RunSpec("tiny", batch=1, context=64, new_tokens=2)
-    assert result["peak_reserved_bytes"] == real_model.fits_at_degree(shape, spec, 2, 64 * 2**20)["peak_reserved_bytes"]
+    spec = RunSpec("tiny", batch=1, context=64, new_tokens=2)
+    assert result["peak_reserved_bytes"] == fits_at_degree(shape, spec, 2, 64 * 2**20)["peak_reserved_bytes"]
     assert result["largest_context_at_batch"] == 4094  # max_position_embeddings 4096 less 2 new tokens
     code, out, err = run_main(capsys, "fit", "--config", path, "--new-tokens", 2, "--batch", 1,
                               "--tensor-parallel", 2, "--memory-bytes", 100_000)
@@ -269,7 +274,6 @@ def test_measure_at_tp2_refuses_device_and_timeline(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(not hasattr(mesure_memoire, "TensorParallelRun"), reason="mesure_memoire has no TensorParallelRun")
 def test_measure_at_tp2_without_torchrun_says_the_command(tmp_path, monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -286,8 +290,8 @@ def tp_measurement(shift_rank1_peak=0):
     """A tensor-parallel measurement document whose counters are the prediction's (a fixture: no
     GPU made it); `shift_rank1_peak` bytes are added to rank 1's last peak allocated."""
     shape = parse_config(TINY, "tiny")
-    spec = real_model.RunSpec("tiny", context=16, new_tokens=2, tensor_parallel=2)
-    prediction = real_model.predict_model(shape, spec)
+    spec = RunSpec("tiny", context=16, new_tokens=2, tensor_parallel=2)
+    prediction = predict_model(shape, spec)
     ranks = []
     for rank in prediction["ranks"]:
         phases = [{k: v for k, v in p.items() if k not in ("bytes_at_end", "transient_peak_bytes")}
@@ -349,10 +353,12 @@ def test_predict_table_at_tp2_has_a_rank_column(capsys):
 RUN_ON_CPU = r"""
 import json, os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from lab_helpers import real_model
+from lab_helpers.real.config import parse_config
+from lab_helpers.real.protocol import run_protocol
+from lab_helpers.real.spec import RunSpec
 dist.init_process_group("gloo")
-shape = real_model.parse_config(json.loads(sys.argv[1]), "tiny")
-spec = real_model.RunSpec("tiny", batch=2, context=16, new_tokens=3, tensor_parallel=2, dtype="float32")
+shape = parse_config(json.loads(sys.argv[1]), "tiny")
+spec = RunSpec("tiny", batch=2, context=16, new_tokens=3, tensor_parallel=2, dtype="float32")
 seen = {"argmax_over": [], "tokens": []}
 argmax = torch.Tensor.argmax
 def spy(self, *args, **kwargs):
@@ -366,8 +372,8 @@ def phase(name, action, index, recorded):
         seen["q_proj_local"] = list(model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
         seen["lm_head_local"] = model.lm_head.weight.to_local().flatten()[:4].tolist()
         seen["embedding"] = model.model.embed_tokens.weight.flatten()[:4].tolist()
-real_model.run_protocol(shape, spec, torch.device("cpu"), phase,
-                        mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+run_protocol(shape, spec, torch.device("cpu"), phase,
+             mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
 os.write(1, (json.dumps({"rank": dist.get_rank(), **seen}) + "\n").encode())  # one write: the ranks share stdout
 dist.destroy_process_group()
 """

@@ -11,8 +11,12 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-# lab_helpers/../data/models for the module; notebooks/../data/models in a notebook
-MODELS_DIR = Path(globals().get("__file__") or Path.cwd() / "notebook").resolve().parent.parent / "data" / "models"
+from lab_helpers.core.errors import LabError
+from lab_helpers.core.numbers import DTYPE_BYTES
+from lab_helpers.core.paths import REPOSITORY
+from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL
+
+MODELS_DIR = REPOSITORY / "data" / "models"
 # model_type -> the transformers class the lab builds; the three families validated on a GPU
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -23,18 +27,18 @@ REQUIRED_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attentio
                  "num_hidden_layers", "vocab_size")
 # Refused before any work: far beyond any published decoder (Llama 3.1 405B: hidden
 # 16384, 126 layers, 128 heads; the largest vocabularies are about 260k).
-MAX_HIDDEN = 65536
+MAX_MODEL_HIDDEN = 65536
 MAX_INTERMEDIATE = 262144
 MAX_LAYERS = 512
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_VOCAB = 2**20
 MAX_CONFIG_BYTES = 2**20  # a config.json is a few KiB
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used: one line naming the key."""
+class ConfigError(LabError, ValueError):
+    """A config that cannot be used: one line naming the key. A ValueError too, so that a document
+    holding a bad config reads as a malformed document where documents are checked."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def parse_config(raw, name: str) -> ModelShape:
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if raw.get("quantization_config") is not None:
         raise ConfigError("config key 'quantization_config': quantised weights are not covered")
-    hidden = _whole(raw, "hidden_size", 1, MAX_HIDDEN)
+    hidden = _whole(raw, "hidden_size", 1, MAX_MODEL_HIDDEN)
     intermediate = _whole(raw, "intermediate_size", 1, MAX_INTERMEDIATE)
     layers = _whole(raw, "num_hidden_layers", 1, MAX_LAYERS)
     heads = _whole(raw, "num_attention_heads", 1, MAX_HEADS)
@@ -202,9 +206,6 @@ def _check_finite(data: dict, name: str) -> None:
     for key, value in data.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"config key {key!r} in {name} is not a finite number")
-
-
-MAX_TENSOR_PARALLEL = 64
 
 
 def check_tensor_parallel(shape: ModelShape, degree) -> None:

@@ -5,7 +5,7 @@ sees every aten op: each output whose storage is new is an allocation, and a sto
 whose last reference died (checked at op boundaries) is a release. Releases found
 between two allocations can be applied in any order without changing the allocator's
 state, so op-boundary detection is exact. Each request goes straight into
-mesure_memoire.AllocatorModel, so the trace itself is never stored.
+lab_helpers.allocator.model.AllocatorModel, so the trace itself is never stored.
 
 Where a CUDA kernel allocates differently from its meta version, the tracer replays the
 CUDA behaviour measured with torch 2.11.0+cu130 on an NVIDIA H200 (see `CudaBehaviour`).
@@ -17,11 +17,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# >>> library only
 from lab_helpers.allocator.model import AllocatorModel, LARGE_SEGMENT_BYTES
-# <<< library only
+from lab_helpers.core.numbers import MIB
 
-MIB = 2**20
 aten = torch.ops.aten
 # Collectives, as CUDA runs them under NCCL: c10d's in-place ones (all_reduce and the like)
 # allocate nothing through the caching allocator (NCCL's own buffers live outside it); a

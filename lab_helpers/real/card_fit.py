@@ -11,14 +11,14 @@ sorted by price; the GPU models that fit at no allowed degree come last.
 """
 import math
 
-# >>> library only
-from lab_helpers.calcul_forfaits import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE,
-                                         UNIT_COST_ROUNDING, ForfaitError, compute_forfait, format_money,
-                                         is_illustrative, load_card, printable)
 from lab_helpers.core.errors import LabError
-from lab_helpers.model_config import ConfigError, ModelShape, check_tensor_parallel
-from lab_helpers.real_model import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree
-# <<< library only
+from lab_helpers.core.text import printable
+from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE, RATE_CARD_PATH,
+                                      ForfaitError, is_illustrative, load_card)
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait, format_money
+from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
+from lab_helpers.real.fit import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, fits_at_degree
+from lab_helpers.real.spec import RunSpec
 
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
 # Tensor parallelism runs over NCCL between the GPUs of one machine, and a machine holds at most 8
@@ -28,7 +28,7 @@ CARD_MAX_DEGREE = 8
 # vendor's figures: NVIDIA publishes 141 GB for it, the card's memory_per_gpu_gib for h200-sxm.
 REFERENCE_GPU = "h200-sxm"
 REFERENCE_VENDOR_GB = 141
-# What NCCL holds outside the caching allocator on each rank (real_model.MEASURED_NCCL_OUTSIDE, by GPU
+# What NCCL holds outside the caching allocator on each rank (lab_helpers.real.fit.MEASURED_NCCL_OUTSIDE, by GPU
 # and degree) is taken off every rank's budget at degree > 1. Where that GPU and degree were not
 # measured, the figure measured on two H200s at tensor parallel 2 is assumed: a budget left whole
 # would let the table pick a degree whose ranks NCCL then pushes out of memory.
@@ -55,7 +55,7 @@ CRITERION = ("fits at degree d when every rank's predicted run (the replayed all
 def gpu_budget_bytes(row: dict) -> dict:
     """The per-GPU memory budget of a rate-card row: {budget_bytes, memory_source, memory_basis}.
 
-    Measured where the lab measured that GPU (real_model.MEASURED_USABLE); else derived from the
+    Measured where the lab measured that GPU (lab_helpers.real.fit.MEASURED_USABLE); else derived from the
     vendor's figure by one rule (DERIVATION_RULE), exact integer arithmetic, rounded down."""
     gpu = row["model_id"]
     if gpu in MEASURED_USABLE:
@@ -108,10 +108,10 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
     """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
 
     `fits(degree, rank_budget_bytes) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}`
-    (the worst rank's) defaults to real_model.fits_at_degree; it is called at most once per
+    (the worst rank's) defaults to lab_helpers.real.fit.fits_at_degree; it is called at most once per
     (degree, budget), first with no cap (UNCAPPED_BUDGET_BYTES), then only for the budgets below
-    that run's peak reserved. Only the degrees model_config.check_tensor_parallel accepts are tried."""
-    spec.checked()
+    that run's peak reserved. Only the degrees lab_helpers.real.config.check_tensor_parallel accepts are
+    tried."""
     check_request(days, accepted_results)
     if fits is None:
         def fits(degree, budget):

@@ -1,0 +1,247 @@
+"""real_model: memory of transformers inference, phase by phase: predicted on any machine, measured on a GPU.
+
+    python -m lab_helpers.real_model predict --config llama-3.1-8b --dtype bfloat16 --batch 1 --context 4096 --new-tokens 64
+    python -m lab_helpers.real_model measure --config llama-3.1-8b ... --device cuda:0 --output m.json
+    python -m lab_helpers.real_model compare m.json
+    python -m lab_helpers.real_model fit --config llama-3.1-8b --gpu h200-sxm --dtype bfloat16 --batch 1 --new-tokens 64
+
+`predict` and `measure` run the same code (lab_helpers.real.protocol.run_protocol): on the GPU it is
+measured with the allocator's own counters, on PyTorch's meta device it is traced op by op
+(lab_helpers.real.tracer) and every allocation is replayed through the model of the caching allocator
+(lab_helpers.allocator.model).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
+from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
+from lab_helpers.core.files import check_new_output, display_path, read_json_file, write_new_json
+from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
+from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL, hold_launcher_stop, keep_own_exit_code, wait_for_every_rank
+from lab_helpers.measurement.protocol import PhaseError
+from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
+from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
+from lab_helpers.real.card_fit import card_fit, check_card_flags
+from lab_helpers.real.config import bundled_names, check_tensor_parallel, load_config
+from lab_helpers.real.fit import fit_model, gpu_budget, usable_memory_bytes
+from lab_helpers.real.predict import compare_model, predict_model
+from lab_helpers.real.protocol import measure_model, measure_model_parallel
+from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
+from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
+
+COMMANDS = {
+    "predict": "per-phase allocated and reserved bytes, no GPU needed",
+    "measure": "measure every phase on a CUDA GPU (never the CPU)",
+    "compare": "a measurement file beside its prediction, phase by phase",
+    "fit": "does it fit a GPU, and the largest batch and context that do",
+}
+EXAMPLES = {
+    "predict": ("python -m lab_helpers.real_model predict --config llama-3.1-8b --dtype bfloat16 --batch 1 "
+                "--context 4096 --new-tokens 64"),
+    "measure": ("python -m lab_helpers.real_model measure --config llama-3.1-8b --batch 1 --context 4096 "
+                "--new-tokens 64 --device cuda:0 --output m.json"),
+    "compare": "python -m lab_helpers.real_model compare m.json",
+    "fit": ("python -m lab_helpers.real_model fit --config llama-3.1-8b --gpu h200-sxm --dtype bfloat16 --batch 1 "
+            "--new-tokens 64"),
+}
+EVERY_HELP = "record every K-th decode step and the last (default 1: every step)"
+
+
+def add_run_flags(parser, sizes_required=True) -> None:
+    """The model and sizes of one run, shared by predict, measure and fit."""
+    parser.add_argument("--config", required=True, metavar="PATH|NAME",
+                        help=f"a Hugging Face config.json, or a bundled config: {', '.join(bundled_names())}")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
+                        help="weights and activations dtype (default bfloat16)")
+    parser.add_argument("--batch", type=whole_number(1, MAX_MODEL_BATCH), required=sizes_required, default=None,
+                        help="sequences decoded together")
+    parser.add_argument("--context", type=whole_number(1, MAX_MODEL_CONTEXT), required=sizes_required, default=None,
+                        help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=whole_number(1, MAX_MODEL_NEW_TOKENS), required=True,
+                        help="decode steps after the prefill, one greedy token each")
+    parser.add_argument("--tensor-parallel", type=whole_number(1, MAX_TENSOR_PARALLEL), default=1, metavar="N",
+                        help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
+                             "per rank (default 1: one GPU)")
+
+
+def _format_flag(parser) -> None:
+    parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
+
+
+def add_predict_arguments(p) -> None:
+    add_run_flags(p)
+    p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
+                   help=EVERY_HELP)
+    _format_flag(p)
+
+
+def add_measure_arguments(p) -> None:
+    add_run_flags(p)
+    p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
+                   help=EVERY_HELP)
+    p.add_argument("--device", default=None,
+                   help="an explicit cuda:N (default cuda:0); at --tensor-parallel N > 1 each rank uses "
+                        "cuda:LOCAL_RANK, set by torchrun")
+    p.add_argument("--seed", type=whole_number(0, 2**63 - 1), default=0, help="seed of the weights and tokens (default 0)")
+    p.add_argument("--output", required=True, help="new JSON file, created after the last phase; never overwritten")
+    add_timeline_flags(p)
+
+
+def add_compare_arguments(p) -> None:
+    p.add_argument("measurement", help="a JSON file written by measure")
+    _format_flag(p)
+
+
+def add_fit_arguments(p) -> None:
+    add_run_flags(p, sizes_required=False)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
+    budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
+    p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
+                   "is measured (default cuda:0)")
+    # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
+    p.add_argument("--card", action="store_true",
+                   help="the buyer's question: for every GPU model of the rate card, the smallest tensor-parallel "
+                        "degree that fits, the lots it needs and their price for --days, sorted by price; needs "
+                        "--batch, --context and --days, not --gpu or --memory-bytes")
+    p.add_argument("--days", type=whole_number(0), choices=DURATIONS_DAYS, metavar="D",
+                   help=f"with --card: the forfait's duration in days, one of {', '.join(map(str, DURATIONS_DAYS))}")
+    p.add_argument("--accepted-results", type=whole_number(1, MAX_ACCEPTED_RESULTS), metavar="N",
+                   help=f"with --card: results accepted over the whole forfait, 1 to {MAX_ACCEPTED_RESULTS}; adds "
+                        "the cost per accepted result (rounded half up to the cent, as calcul_forfaits does)")
+    p.add_argument("--tariffs", metavar="PATH",
+                   help="with --card: a rate card CSV (default data/tarifs-forfaits.csv)")
+    _format_flag(p)
+
+
+def print_model_result(args, result: dict, table) -> None:
+    """JSON for programs, or with --format table the text for people."""
+    if getattr(args, "format", "json") == "table":
+        print(table(result))
+    else:
+        print(json.dumps(result, indent=2))
+
+
+def handle_predict(args) -> int:
+    shape = load_config(args.config)
+    spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
+                   decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
+    # predict_model checks that the plan splits the model this many ways, before torch is imported
+    print_model_result(args, predict_model(shape, spec), model_prediction_table)
+    return EXIT_OK
+
+
+def handle_compare(args) -> int:
+    document = read_json_file(args.measurement)  # bounded size and depth; a FIFO or folder refused
+    if not isinstance(document, dict):
+        raise LabError(f"{display_path(args.measurement)} is not a measurement document")
+    print_model_result(args, compare_model(document), model_comparison_table)
+    return EXIT_OK
+
+
+def handle_fit(args) -> int:
+    check_card_flags(args)  # before the config is read
+    shape = load_config(args.config)
+    if args.card:
+        spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
+                       new_tokens=args.new_tokens, decode_record_every=args.new_tokens)
+        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs)
+    else:
+        degree = args.tensor_parallel
+        check_tensor_parallel(shape, degree)
+        if args.gpu:
+            budget, source = gpu_budget(args.gpu, tensor_parallel=degree)
+        elif args.memory_bytes:
+            budget, source = args.memory_bytes, "given with --memory-bytes"
+        else:
+            device = args.device or "cuda:0"
+            budget = usable_memory_bytes(device)
+            source = f"usable memory of {device}, measured now in a fresh child process"
+            if degree > 1:
+                source += ("; NCCL's memory outside the allocator is not subtracted, so the budget per rank "
+                           "is an upper bound")
+        result = fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context,
+                           tensor_parallel=degree)
+    print_model_result(args, result, model_fit_table)
+    return EXIT_OK
+
+
+def measure_command_result(args) -> "dict | None":
+    """Measure as the flags say and write the file; the result to print, or None on a tensor-parallel
+    rank other than 0 (rank 0 reports for every rank)."""
+    shape = load_config(args.config)
+    degree = args.tensor_parallel
+    check_tensor_parallel(shape, degree)
+    if degree > 1:
+        if args.device is not None:
+            raise LabError("--device is set by the launcher at --tensor-parallel > 1: rank R uses cuda:LOCAL_RANK")
+        if args.timeline is not None:
+            raise LabError("--timeline records one GPU's allocator: not available at --tensor-parallel > 1")
+    spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
+                   decode_record_every=args.decode_record_every, tensor_parallel=degree,
+                   device=args.device or "cuda:0", seed=args.seed)
+    output = Path(args.output)
+    if degree > 1:
+        command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
+        document = measure_model_parallel(shape, spec, command, output)
+        if document is None:
+            return None
+        return {"output": str(output), "ranks": len(document["ranks"]),
+                "phases": len(document["ranks"][0]["phases"])}
+    check_new_output(output)  # before the model is built, not after minutes of work
+    history = timeline_recorder(args, {"--output": args.output})
+    document = measure_model(shape, spec, history)
+    write_new_json(output, document)
+    result = {"output": str(output), "phases": len(document["phases"])}
+    if history is not None:
+        result.update(write_timeline(args.timeline, history))
+    return result
+
+
+def handle_measure(args) -> int:
+    try:
+        result = measure_command_result(args)
+    except PhaseError as exc:
+        note = save_oom_snapshot(args.timeline, exc) if args.timeline is not None else ""
+        error_line(f"real_model: error: {exc}; no file written{note}")
+        return EXIT_PHASE
+    if result is not None:
+        print(json.dumps(result, indent=2))
+    return EXIT_OK
+
+
+def _on_usage_error() -> None:
+    keep_own_exit_code()
+    wait_for_every_rank()
+
+
+PROGRAM = Program(
+    prog="real_model",
+    description=("Allocator-exact memory of transformers inference from a config.json: predict on any machine, "
+                 "measure on a GPU, compare, and find what fits."),
+    commands=tuple(Command(name, COMMANDS[name], add, handle, EXAMPLES[name]) for name, add, handle in (
+        ("predict", add_predict_arguments, handle_predict),
+        ("measure", add_measure_arguments, handle_measure),
+        ("compare", add_compare_arguments, handle_compare),
+        ("fit", add_fit_arguments, handle_fit),
+    )),
+    on_start=hold_launcher_stop,
+    on_usage_error=_on_usage_error,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: one sub-parser per command."""
+    return program_parser(PROGRAM)
+
+
+@quiet_broken_pipe
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit code."""
+    return run(PROGRAM, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

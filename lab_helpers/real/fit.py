@@ -1,0 +1,244 @@
+"""Does a real model's run fit a GPU, and the largest batch and context that do: predictions under a
+replayed allocator capped at the budget, with no GPU. The budgets: measured where the lab measured
+that GPU (MEASURED_USABLE, MEASURED_NCCL_OUTSIDE), else the rate card's vendor figure."""
+import sys
+from dataclasses import replace
+
+from lab_helpers.core.errors import LabError
+from lab_helpers.core.numbers import parse_device
+from lab_helpers.measurement.environment import usable_memory
+from lab_helpers.pricing.card import RATE_CARD_PATH, ForfaitError, load_card
+from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
+from lab_helpers.real.predict import fake_process_group, load_for_prediction, predict_model
+from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_TOKENS, RunSpec
+
+# What a real-model measuring process holds outside the allocator (cuBLAS, cuDNN attention, argmax
+# kernels) is loaded before the search, so the figure is what such a process can reach; handed to
+# lab_helpers.measurement.environment.usable_memory, which runs it in a child process (argv: the device index).
+USABLE_PROBE = r"""
+import json, sys, torch
+DEVICE = f"cuda:{int(sys.argv[1])}"
+torch.cuda.set_device(DEVICE)
+torch.cuda.init()
+x = torch.ones(64, 64, device=DEVICE, dtype=torch.bfloat16)
+torch.nn.functional.linear(x, x, x[0]) @ x
+q = torch.ones(1, 2, 64, 64, device=DEVICE, dtype=torch.bfloat16)
+torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+x.argmax(-1)
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+held = torch.cuda.memory_reserved(DEVICE)
+step = 2 * 2**20  # the allocator rounds large blocks to 2 MiB
+low, high = 0, torch.cuda.mem_get_info(DEVICE)[0] // step + 1
+while high - low > 1:
+    middle = (low + high) // 2
+    try:
+        block = torch.empty(middle * step, dtype=torch.uint8, device=DEVICE)
+        del block
+        low = middle
+    except torch.OutOfMemoryError:
+        high = middle
+    torch.cuda.empty_cache()
+print(json.dumps({"usable_memory_bytes": held + low * step}))
+"""
+# Measured with the probe above on 2026-11-29 (`fit` runs it itself when a GPU is visible
+# and no budget is given).
+MEASURED_USABLE = {
+    "h200-sxm": (149380136960, "NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130"),
+}
+
+
+def usable_memory_bytes(device: str = "cuda:0") -> int:
+    """The largest reserved a fresh real-model measuring process can reach on `device`, measured now
+    in a child process; LabError when no GPU answers."""
+    index = parse_device(device)
+    answer = usable_memory(index, command=[sys.executable, "-c", USABLE_PROBE, str(index)])
+    if not isinstance(answer["usable_memory_bytes"], int):
+        raise LabError(f"cannot measure the usable memory of {device} "
+                       f"({answer['usable_memory_unavailable_reason']}); give --gpu or --memory-bytes")
+    return answer["usable_memory_bytes"]
+
+
+# What NCCL holds outside PyTorch's allocator per rank once its communicator has run a first
+# collective (as TensorParallelRun leaves it before the first phase): free memory before the
+# process group less free memory after, with the allocator empty. (model_id, degree) -> bytes, where.
+MEASURED_NCCL_OUTSIDE = {
+    ("h200-sxm", 2): (977272832, "2 x NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130, NCCL 2.28.9"),
+}
+
+
+def gpu_budget(gpu: str, tariffs=None, tensor_parallel: int = 1) -> tuple:
+    """(bytes, source) of a rate-card GPU: the measured usable figure where the lab has one,
+    else the vendor's "GB" figure read as 10^9 bytes (an upper bound: the CUDA context and
+    the libraries take some of it). At tensor parallel N > 1, one rank's budget: less NCCL's
+    bytes outside the allocator where they were measured on that GPU at that degree; where
+    not, nothing is subtracted and the source says so."""
+    if gpu in MEASURED_USABLE:
+        value, where = MEASURED_USABLE[gpu]
+        source = f"measured usable memory of a fresh measuring process ({where})"
+    else:
+        try:
+            rows = load_card(tariffs or RATE_CARD_PATH)
+        except ForfaitError as exc:
+            raise LabError(str(exc)) from None
+        found = [row for row in rows if row["model_id"] == gpu]
+        if not found:
+            raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+        gb = found[0]["memory_per_gpu_gib"]
+        value = gb * 10**9
+        source = (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
+                  f"the CUDA context and libraries take part of it")
+    if tensor_parallel == 1:
+        return value, source
+    if (gpu, tensor_parallel) in MEASURED_NCCL_OUTSIDE:
+        nccl, where = MEASURED_NCCL_OUTSIDE[(gpu, tensor_parallel)]
+        return value - nccl, (f"{source}, less {nccl} bytes NCCL holds outside the allocator per rank at "
+                              f"tensor parallel {tensor_parallel} (measured: {where})")
+    return value, (f"{source}; NCCL's memory outside the allocator at tensor parallel {tensor_parallel} is not "
+                   f"measured on {gpu}: not subtracted, so the budget per rank is an upper bound")
+
+
+def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
+    from lab_helpers.real.tracer import OutOfMemory
+    try:
+        prediction = predict_model(shape, spec, capacity_bytes=budget, loaded=loaded)
+    except OutOfMemory:
+        return {"fits": False}
+    return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
+            "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
+
+
+def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: int) -> dict:
+    """Does `spec` fit `degree` GPUs of `budget_bytes` each, the model split with transformers' plan?
+
+    `budget_bytes` is what one rank's allocator may reserve (a GPU's usable memory less what
+    NCCL holds outside the allocator, when known). Every rank is predicted with no GPU, each
+    under a replayed allocator capped at the budget (see `fit`'s criterion). Returns
+    {"fits": bool, "peak_reserved_bytes": int | None, "peak_allocated_bytes": int | None,
+    "reason": str | None}: the peaks are the worst rank's (None when it does not fit);
+    "reason" says why not (a degree the plan cannot split the model by, weights and cache
+    beyond the budget, or the rank that ran out). Raises LabError on a bad spec or budget."""
+    spec = replace(spec, tensor_parallel=1)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+    no = {"fits": False, "peak_reserved_bytes": None, "peak_allocated_bytes": None}
+    try:
+        check_tensor_parallel(shape, degree)
+    except ConfigError as exc:
+        return {**no, "reason": str(exc)}
+    # Each rank holds at least 1/N of every weight and of the key/value cache at the last
+    # decode step (a split tensor's shards sum to it; a whole one is on every rank): beyond
+    # the budget the run cannot fit, whatever the allocator does.
+    held = shape.parameter_bytes(spec.dtype) + shape.kv_cache_bytes(spec.batch, spec.context + spec.new_tokens,
+                                                                     spec.dtype)
+    if -(-held // degree) > budget_bytes:
+        return {**no, "reason": f"weights and key/value cache alone take {-(-held // degree)} bytes per rank"}
+    from lab_helpers.real.tracer import OutOfMemory
+    try:
+        prediction = predict_model(shape, spec, capacity_bytes=budget_bytes, tensor_parallel=degree)
+    except OutOfMemory as exc:
+        return {**no, "reason": f"out of memory in the replayed allocator: {exc}"}
+    return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
+            "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"], "reason": None}
+
+
+def _largest(fits, high: int) -> int:
+    """Largest v in [1, high] with fits(v), assuming fits is monotone; 0 if none."""
+    if not fits(1):
+        return 0
+    low = 1
+    probe = 2
+    while probe <= high and fits(probe):
+        low, probe = probe, probe * 2
+    top = min(probe, high + 1)  # fits(top) is False, or top is beyond the bound
+    while top - low > 1:
+        middle = (low + top) // 2
+        if fits(middle):
+            low = middle
+        else:
+            top = middle
+    return low
+
+
+def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
+        batch=None, context=None, progress=None, tensor_parallel: int = 1) -> dict:
+    """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`.
+
+    At tensor parallel N the budget is one GPU's (what one rank may reserve) and the search runs
+    on rank 0: N divides every size the plan splits (checked), so each rank's local shapes are
+    the same and the collectives symmetric; a rank's number reaches no size of this protocol, so
+    every rank's trace is rank 0's (predict runs them all, and the tests compare them)."""
+    if batch is None and context is None:
+        raise LabError("give --batch, --context or both")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+    base = RunSpec(shape.name, dtype=dtype, batch=batch or 1, context=context or 1, new_tokens=new_tokens,
+                   decode_record_every=new_tokens, tensor_parallel=tensor_parallel)
+    check_tensor_parallel(shape, tensor_parallel)
+    if tensor_parallel == 1:
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None)
+    with fake_process_group(0, tensor_parallel) as mesh:
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh)
+
+
+def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_source: str, batch, context,
+                progress, mesh) -> dict:
+    dtype, new_tokens, degree = base.dtype, base.new_tokens, base.tensor_parallel
+    local = replace(shape, kv_heads=shape.kv_heads // degree)  # one rank's key/value heads
+    context_limit = MAX_MODEL_CONTEXT - new_tokens
+    if shape.max_positions:
+        context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
+    from lab_helpers.real.tracer import OutOfMemory
+    cache, predictions = {}, []
+    try:
+        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh)
+    except OutOfMemory:
+        loaded = None  # the weights alone do not fit
+
+    def may_fit(b, t):
+        # the weights and the full KV cache are both allocated at the end of the last decode step:
+        # beyond the budget, the run cannot fit, whatever the allocator does (no prediction needed)
+        return (b * (t + new_tokens) <= MAX_TOKENS and
+                loaded["weights_bytes"] + local.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
+
+    def fits(b, t):
+        if (b, t) not in cache:
+            if loaded is None or not may_fit(b, t):
+                cache[(b, t)] = {"fits": False}
+            else:
+                cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
+                predictions.append((b, t))
+            if progress:
+                progress(b, t, cache[(b, t)]["fits"])
+        return cache[(b, t)]["fits"]
+
+    result = {
+        "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
+        **({"tensor_parallel": degree, "budget_per": "rank (one GPU)"} if degree > 1 else {}),
+        "budget_bytes": budget_bytes, "budget_source": budget_source,
+        "criterion": ("the run fits when the replayed allocator never needs more than the budget, "
+                      "after releasing its wholly free cached segments as PyTorch does before an "
+                      "out-of-memory error; peak reserved is then at most the budget"),
+    }
+    if batch is not None and context is not None:
+        point = ({"fits": False} if loaded is None else
+                 _fits(shape, replace(base, batch=batch, context=context), budget_bytes, loaded))
+        result.update({"batch": batch, "context": context, "fits": point["fits"],
+                       "peak_reserved_bytes": point.get("peak_reserved_bytes"),
+                       "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
+    if batch is not None:
+        result["batch"] = batch  # the table names it
+        result["largest_context_at_batch"] = _largest(lambda t: fits(batch, t), context_limit)
+        result["context_bound"] = context_limit
+    if context is not None:
+        if context > context_limit:
+            raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
+                           f"minus {new_tokens} new tokens")
+        high = min(MAX_MODEL_BATCH, MAX_TOKENS // (context + new_tokens))
+        result["context"] = context
+        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
+    result["weights_fit"] = loaded is not None
+    result["predictions_run"] = len(predictions)
+    return result
+
+

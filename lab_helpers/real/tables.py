@@ -1,0 +1,60 @@
+"""real_model's results as text for people: one table per command."""
+from lab_helpers.real.card_fit import CARD_FIT_KIND, format_card_fit
+from lab_helpers.real.spec import COUNTER_KEYS
+
+
+def _right_aligned_table(rows: list, columns: list) -> str:
+    text = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in text)) if text else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(t, widths)) for t in text]
+    return "\n".join(lines)
+
+
+def model_prediction_table(result: dict) -> str:
+    """predict_model's document: one row per phase (and rank), bytes at its end and at its peak."""
+    head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
+            f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
+    if "ranks" in result:
+        head += f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)\n"
+        rows = [{"rank": rank["rank"], **r, **r["bytes_at_end"]} for rank in result["ranks"] for r in rank["phases"]]
+    else:
+        rows = [{**r, **r["bytes_at_end"]} for r in result["phases"]]
+    return head + _right_aligned_table(rows, (["rank"] if "ranks" in result else []) + [
+        "phase", "index", "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes",
+        "weights_bytes", "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
+
+
+def model_comparison_table(result: dict) -> str:
+    """compare_model's result: measured - predicted, one row per phase (and rank)."""
+    cols = (["rank"] if "tensor_parallel" in result else []) + ["phase", "index"] + [
+        f"difference_{k}" for k in COUNTER_KEYS]
+    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
+            + _right_aligned_table(result["rows"], cols))
+
+
+def model_fit_table(result: dict) -> str:
+    """fit_model's answer in lines, or card_fit's table of forfaits."""
+    if result.get("kind") == CARD_FIT_KIND:
+        return format_card_fit(result)
+    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
+    if "tensor_parallel" in result:
+        lines.append(f"tensor parallel {result['tensor_parallel']}: the budget and every figure are one rank's")
+    if "fits" in result:
+        lines.append(f"batch {result['batch']} x context {result['context']}: "
+                     f"{'fits' if result['fits'] else 'does NOT fit'}"
+                     + (f", peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                        if result["fits"] else ""))
+    if "largest_context_at_batch" in result:
+        lines.append(f"largest context at batch {result.get('batch')}: {result['largest_context_at_batch']}")
+    if "largest_batch_at_context" in result:
+        lines.append(f"largest batch at context {result.get('context')}: {result['largest_batch_at_context']}")
+    return "\n".join(lines)
+
+
+MODEL_TABLES = {"predict": model_prediction_table, "compare": model_comparison_table, "fit": model_fit_table}
+
+
+def format_table(command: str, result: dict) -> str:
+    """The result of real_model's `command` (predict, compare or fit) as text for people."""
+    return MODEL_TABLES[command](result)
