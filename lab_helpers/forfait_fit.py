@@ -12,9 +12,10 @@ sorted by price; the GPU models that fit at no allowed degree come last.
 import math
 
 # >>> library only
-from lab_helpers.calcul_forfaits import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE,
-                                         UNIT_COST_ROUNDING, ForfaitError, compute_forfait, format_money,
-                                         is_illustrative, load_card, printable)
+from lab_helpers.core.text import printable
+from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE, ForfaitError,
+                                      is_illustrative, load_card)
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait, format_money
 from lab_helpers.core.errors import LabError
 from lab_helpers.model_config import ConfigError, ModelShape, check_tensor_parallel
 from lab_helpers.real_model import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, RATE_CARD_PATH, RunSpec, fits_at_degree

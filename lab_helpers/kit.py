@@ -13,7 +13,7 @@ import zipfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from lab_helpers.calcul_forfaits import printable
+from lab_helpers.core.text import printable
 from lab_helpers.core.cli import CommandParser, quiet_broken_pipe
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LabError
 from lab_helpers.core.files import replace_bytes, write_new_bytes

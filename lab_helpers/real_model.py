@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # >>> library only
-from lab_helpers.calcul_forfaits import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, ForfaitError, load_card
+from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS, ForfaitError, load_card
 from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core.cli import CommandParser, error_line, quiet_broken_pipe
