@@ -561,7 +561,7 @@ CARD_COLUMNS = (
     "model_id", "display_name", "gpus_per_lot", "memory_per_gpu_gib", "duration_days",
     "lot_price_cents", "currency", "snapshot_date", "provenance",
 )
-MODEL_COLUMNS = ("display_name", "gpus_per_lot", "memory_per_gpu_gib")
+CARD_MODEL_COLUMNS = ("display_name", "gpus_per_lot", "memory_per_gpu_gib")
 DURATIONS_DAYS = (3, 7, 30)
 CURRENCY = "USD"
 # Documented upper bounds: far above any real forfait, low enough that every total and
@@ -685,7 +685,7 @@ def parse_card(text: str, source: str = CARD_NAME) -> list:
                             f"(first given at line {seen[model, days]})")
         seen[model, days] = reader.line_num
         line, first = first_of.setdefault(model, (reader.line_num, row))
-        for column in MODEL_COLUMNS:
+        for column in CARD_MODEL_COLUMNS:
             if row[column] != first[column]:
                 raise CardError(f"{where}: {column} {row[column]!r} for {model} differs from "
                                 f"{first[column]!r} at line {line}")
@@ -738,7 +738,7 @@ def load_card(path, shown=None) -> list:
     return parse_card(text, shown)
 
 
-def _relative_to_cwd(path: Path) -> Path:
+def _card_shown_relative(path: Path) -> Path:
     """Return `path` relative to the current folder (as it is shown), or as is if impossible."""
     try:
         return Path(os.path.relpath(path))
@@ -766,8 +766,8 @@ def default_card_path(folder=None) -> Path:
     candidates = (base / CARD_NAME, (base / REPO_CARD_FOLDER / CARD_NAME).resolve())
     for candidate in candidates:
         if candidate.is_file():
-            return _relative_to_cwd(candidate)
-    shown = " or ".join(printable(_relative_to_cwd(c)) for c in candidates)
+            return _card_shown_relative(candidate)
+    shown = " or ".join(printable(_card_shown_relative(c)) for c in candidates)
     raise ForfaitError(f"no rate card found at {shown}; give one with --tariffs PATH")
 
 
@@ -788,7 +788,7 @@ UNIT_COST_ROUNDING = (
     "unit_cost_cents = total_price_cents / accepted_results, computed exactly with "
     "Decimal, then rounded to a whole cent, halves rounded up (ROUND_HALF_UP)"
 )
-ASSUMPTIONS = ("the whole forfait is paid; no hourly proration; no currency conversion; "
+FORFAIT_ASSUMPTIONS = ("the whole forfait is paid; no hourly proration; no currency conversion; "
                "unit cost rounded half up to the cent")
 
 
@@ -924,7 +924,7 @@ def format_forfait(result: dict) -> str:
         ("rate card", f"{result.get('tariffs', '')} (snapshot {result['snapshot_date']})"),
     ]
     lines = _aligned_lines([[label, printable(value)] for label, value in pairs], set())
-    return "\n".join([*lines, f"Assumptions: {ASSUMPTIONS}.",
+    return "\n".join([*lines, f"Assumptions: {FORFAIT_ASSUMPTIONS}.",
                       f"Notice: {printable(result['notice'])}"])
 
 

@@ -19,7 +19,7 @@ UNIT_COST_ROUNDING = (
     "unit_cost_cents = total_price_cents / accepted_results, computed exactly with "
     "Decimal, then rounded to a whole cent, halves rounded up (ROUND_HALF_UP)"
 )
-ASSUMPTIONS = ("the whole forfait is paid; no hourly proration; no currency conversion; "
+FORFAIT_ASSUMPTIONS = ("the whole forfait is paid; no hourly proration; no currency conversion; "
                "unit cost rounded half up to the cent")
 
 
@@ -155,5 +155,5 @@ def format_forfait(result: dict) -> str:
         ("rate card", f"{result.get('tariffs', '')} (snapshot {result['snapshot_date']})"),
     ]
     lines = _aligned_lines([[label, printable(value)] for label, value in pairs], set())
-    return "\n".join([*lines, f"Assumptions: {ASSUMPTIONS}.",
+    return "\n".join([*lines, f"Assumptions: {FORFAIT_ASSUMPTIONS}.",
                       f"Notice: {printable(result['notice'])}"])
