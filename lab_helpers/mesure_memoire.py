@@ -529,13 +529,12 @@ def _read_bounded(path, max_bytes: int, refuse) -> bytes:
     return data
 
 
-def read_bounded_text(path, max_bytes: int, what: str, shown=None) -> str:
-    """Return the UTF-8 text (a BOM allowed) of the regular file at `path`, at most `max_bytes` long.
+def read_bounded_bytes(path, max_bytes: int, what: str, shown=None) -> bytes:
+    """Return the bytes of the regular file at `path`, at most `max_bytes` long.
 
     Faults raise LabError naming the file as `shown` (default: `path` as given) and the file as a
     `what` ("rate card"): a missing or unreadable path, a folder, a pipe or device (opened without
-    blocking, never read), a file over `max_bytes` (checked before reading), UTF-16, binary or
-    non-UTF-8 text."""
+    blocking, never read), a file over `max_bytes` (checked before reading)."""
     shown = printable(path if shown is None else shown)
 
     def refuse(fault, detail):
@@ -551,7 +550,15 @@ def read_bounded_text(path, max_bytes: int, what: str, shown=None) -> str:
             return LabError(f"{shown}: is {detail} bytes, over the {max_bytes}-byte limit for a {what}")
         return LabError(f"{shown}: is over the {max_bytes}-byte limit for a {what}")
 
-    return _utf8_text(_read_bounded(path, max_bytes, refuse), shown, what)
+    return _read_bounded(path, max_bytes, refuse)
+
+
+def read_bounded_text(path, max_bytes: int, what: str, shown=None) -> str:
+    """Return the UTF-8 text (a BOM allowed) of the regular file at `path`, at most `max_bytes` long:
+    read_bounded_bytes, then UTF-16, binary (a NUL byte) and non-UTF-8 data refused, naming the line.
+    Faults raise LabError naming the file as `shown` (default: `path` as given)."""
+    shown = printable(path if shown is None else shown)
+    return _utf8_text(read_bounded_bytes(path, max_bytes, what, shown), shown, what)
 
 
 def _utf8_text(data: bytes, shown: str, what: str) -> str:
