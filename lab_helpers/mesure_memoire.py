@@ -18,6 +18,7 @@ import numbers
 import os
 import platform
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -269,7 +270,17 @@ def parse_device(device: str) -> int:
 MIB = 2**20
 
 
-# ---- from lab_helpers/core/files.py: Files: paths as the user gave them, exclusive whole-or-nothing writers, the one bounded JSON reader, CSV text.
+# ---- from lab_helpers/core/text.py: Text for people: a user's text made safe to print (control and unprintable characters escaped).
+def printable(text: str) -> str:
+    """Return `text` with control, non-printable and unpaired surrogate characters escaped."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+# ---- from lab_helpers/core/files.py: Files: paths as the user gave them, exclusive whole-or-nothing writers, the one bounded reader (JSON or text), CSV text.
 MAX_MEASUREMENT_FILE_BYTES = 64 * 2**20  # a real measurement file is a few KiB
 
 
@@ -482,33 +493,110 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _read_bounded(path, max_bytes: int, refuse) -> bytes:
+    """Return the bytes of the regular file at `path`, at most `max_bytes`: opened without blocking (so a
+    FIFO or a device is refused, never read), its size checked before reading, never more than
+    max_bytes + 1 bytes read even if the file grows. Each fault raises `refuse(fault, detail)`, the
+    caller's error: fault "open" (detail: the OSError, or the ValueError of a path holding NUL),
+    "folder", "special" (a FIFO, socket or device), "size" (st_size), "read" (the OSError) or
+    "grown" (the bytes read, over the bound)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except (OSError, ValueError) as exc:
+        raise refuse("open", exc) from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise refuse("folder", None)
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse("special", None)
+        if info.st_size > max_bytes:
+            raise refuse("size", info.st_size)
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise refuse("read", exc) from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:  # the file grew after fstat
+        raise refuse("grown", len(data))
+    return data
+
+
+def read_bounded_bytes(path, max_bytes: int, what: str, shown=None) -> bytes:
+    """Return the bytes of the regular file at `path`, at most `max_bytes` long.
+
+    Faults raise LabError naming the file as `shown` (default: `path` as given) and the file as a
+    `what` ("rate card"): a missing or unreadable path, a folder, a pipe or device (opened without
+    blocking, never read), a file over `max_bytes` (checked before reading)."""
+    shown = printable(path if shown is None else shown)
+
+    def refuse(fault, detail):
+        if fault == "open" and isinstance(detail, ValueError):
+            return LabError(f"{shown}: cannot read the {what} (the path holds a NUL character)")
+        if fault in ("open", "read"):
+            return LabError(f"{shown}: cannot read the {what} ({detail.strerror or detail})")
+        if fault == "folder":
+            return LabError(f"{shown}: is a folder, not a {what} file")
+        if fault == "special":
+            return LabError(f"{shown}: is not a regular file (a pipe, socket or device); give the {what} as a file")
+        if fault == "size":
+            return LabError(f"{shown}: is {detail} bytes, over the {max_bytes}-byte limit for a {what}")
+        return LabError(f"{shown}: is over the {max_bytes}-byte limit for a {what}")
+
+    return _read_bounded(path, max_bytes, refuse)
+
+
+def read_bounded_text(path, max_bytes: int, what: str, shown=None) -> str:
+    """Return the UTF-8 text (a BOM allowed) of the regular file at `path`, at most `max_bytes` long:
+    read_bounded_bytes, then UTF-16, binary (a NUL byte) and non-UTF-8 data refused, naming the line.
+    Faults raise LabError naming the file as `shown` (default: `path` as given)."""
+    shown = printable(path if shown is None else shown)
+    return _utf8_text(read_bounded_bytes(path, max_bytes, what, shown), shown, what)
+
+
+def _utf8_text(data: bytes, shown: str, what: str) -> str:
+    """Return `data` decoded as UTF-8 (BOM allowed); refuse UTF-16 and binary data."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise LabError(f"{shown}, line 1: the {what} is UTF-16 text; save it as UTF-8")
+    if b"\x00" in data:
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise LabError(f"{shown}, line {line}: binary data (a NUL byte), not a CSV {what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise LabError(f"{shown}, line {line}: not UTF-8 text (byte {exc.start})") from None
+
+
 def read_json_file(path, max_bytes: int = MAX_MEASUREMENT_FILE_BYTES, max_depth: int = MAX_JSON_DEPTH):
     """Parse the JSON file at `path` with bounds: a regular file (a FIFO or device is refused without
     blocking), at most `max_bytes`, UTF-8, nesting at most `max_depth`, no NaN or infinities.
     Raise LabError naming `path` as given."""
-    import stat
     shown = display_path(path)
-    try:
-        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        reason = "no such file" if exc.errno == 2 else _os_problem(exc)
-        raise LabError(f"cannot read {shown}: {reason}") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise LabError(f"cannot read {shown}: it is a folder")
-        if not stat.S_ISREG(info.st_mode):
-            raise LabError(f"cannot read {shown}: not a regular file")
-        if info.st_size > max_bytes:
-            raise LabError(f"{shown}: {info.st_size} bytes; a measurement file holds at most {max_bytes} bytes")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(max_bytes + 1)
-    except OSError as exc:
-        raise LabError(f"cannot read {shown}: {_os_problem(exc)}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise LabError(f"{shown}: more than {max_bytes} bytes; a measurement file holds at most that")
+
+    def refuse(fault, detail):
+        if fault == "open" and isinstance(detail, ValueError):
+            return LabError(f"cannot read {shown}: the path holds a NUL character")
+        if fault == "open":
+            return LabError(f"cannot read {shown}: {'no such file' if detail.errno == 2 else _os_problem(detail)}")
+        if fault == "read":
+            return LabError(f"cannot read {shown}: {_os_problem(detail)}")
+        if fault == "folder":
+            return LabError(f"cannot read {shown}: it is a folder")
+        if fault == "special":
+            return LabError(f"cannot read {shown}: not a regular file")
+        if fault == "size":
+            return LabError(f"{shown}: {detail} bytes; a measurement file holds at most {max_bytes} bytes")
+        return LabError(f"{shown}: more than {max_bytes} bytes; a measurement file holds at most that")
+
+    data = _read_bounded(path, max_bytes, refuse)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -1255,9 +1343,17 @@ def quiet_broken_pipe(main_function):
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse that reports every usage error as one line `prog: error: msg` and exit code 2."""
+    """argparse that reports every usage error as one line `prog: error: msg` and exit code 2.
+    With a `hint` (" (see --help)"), the line ends with it, and the message is folded to one line of
+    printable text first (argparse quotes a user's stray arguments as typed)."""
+
+    def __init__(self, *args, hint: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
 
     def error(self, message):
+        if self.hint:
+            message = printable(" ".join(message.split())) + self.hint
         # a subcommand's parser is named "prog sub": its errors start "prog: error:", as the
         # command's other errors do
         self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
@@ -1286,7 +1382,8 @@ class Command:
 @dataclass(frozen=True)
 class Program:
     """A command-line program: its subcommands, or one command that is the whole program (`single`).
-    `on_usage_error` runs before a LabError's line is printed (torchrun's ranks use it)."""
+    `on_usage_error` runs before a LabError's line is printed (torchrun's ranks use it); `usage_hint`
+    ends the parser's usage errors (see CommandParser)."""
 
     prog: str
     description: str
@@ -1295,6 +1392,7 @@ class Program:
     on_start: Callable = None
     on_usage_error: Callable = None
     epilog: str = ""
+    usage_hint: str = ""
 
 
 def program_parser(program: Program) -> argparse.ArgumentParser:
@@ -1302,7 +1400,7 @@ def program_parser(program: Program) -> argparse.ArgumentParser:
     # an epilog holds examples laid out by hand; without one, argparse wraps the description
     layout = {"formatter_class": argparse.RawDescriptionHelpFormatter} if program.epilog else {}
     parser = CommandParser(prog=program.prog, description=program.description, epilog=program.epilog or None,
-                           **layout)
+                           hint=program.usage_hint, **layout)
     if program.single:
         program.commands[0].add_arguments(parser)
         parser.set_defaults(handler=program.commands[0].handle, command=program.commands[0].name)

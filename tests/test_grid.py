@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lab_helpers import calcul_forfaits as calc
-from lab_helpers import grid
+from lab_helpers.pricing.card import load_card
+from lab_helpers.pricing.grid import GRID_COLUMNS, GridError, grid_report, load_grid, model_costs, row_costs
+from lab_helpers.pricing.grid_commands import main
 
 ROOT = Path(__file__).resolve().parent.parent
 GRID = ROOT / "data" / "resultats-bruts.csv"
@@ -48,7 +49,7 @@ def write_grid(tmp_path: Path, lines, name="grid.csv") -> Path:
 
 
 def run_main(capsys, *args):
-    status = grid.main([str(arg) for arg in args])
+    status = main([str(arg) for arg in args])
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -58,7 +59,7 @@ def run_main(capsys, *args):
 def test_shipped_grid_is_the_header_only():
     lines = GRID.read_text(encoding="utf-8").splitlines()
     assert lines == [HEADER]
-    assert list(grid.GRID_COLUMNS) == EXPECTED_HEADER
+    assert list(GRID_COLUMNS) == EXPECTED_HEADER
 
 
 def test_protocol_documents_every_grid_column():
@@ -80,10 +81,10 @@ def test_check_and_report_on_the_shipped_grid(capsys):
 # --- a filled grid ---------------------------------------------------------------------
 
 def test_row_and_model_costs_to_the_cent(tmp_path):
-    card = calc.load_card(CARD)
-    rows = grid.load_grid(write_grid(tmp_path, [HEADER, *PASSES]), card)
+    card = load_card(CARD)
+    rows = load_grid(write_grid(tmp_path, [HEADER, *PASSES]), card)
     assert [row["line"] for row in rows] == [2, 3, 4, 5]
-    costs = grid.row_costs(rows, card)
+    costs = row_costs(rows, card)
     b200_7, h100_7, h100_3, b200_3 = (lot_price("b200", 7), lot_price("h100-sxm", 7),
                                       lot_price("h100-sxm", 3), lot_price("b200", 3))
     assert [c["total_price_cents"] for c in costs] == [2 * b200_7, h100_7, h100_3, b200_3]
@@ -91,7 +92,7 @@ def test_row_and_model_costs_to_the_cent(tmp_path):
     assert [c["unit_cost_cents"] for c in costs] == [
         half_up(2 * b200_7, 1000), half_up(h100_7, 600), None, half_up(b200_3, 32)]
     assert costs[3]["unit_cost_cents"] == 2471  # 79056 / 32 = 2470.5: half up
-    summary = {s["gpu_model"]: s for s in grid.model_costs(costs)}
+    summary = {s["gpu_model"]: s for s in model_costs(costs)}
     assert summary["h100-sxm"]["passes"] == 2
     assert summary["h100-sxm"]["total_price_cents"] == h100_7 + h100_3
     assert summary["h100-sxm"]["unit_cost_cents"] == half_up(h100_7 + h100_3, 600)
@@ -178,7 +179,7 @@ def test_grid_fault_from_the_command_line_has_no_traceback(tmp_path):
 
 def test_grid_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        grid.main(["summarise", str(GRID)])
+        main(["summarise", str(GRID)])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
 
@@ -187,25 +188,25 @@ def test_grid_usage_errors_exit_2(capsys):
 
 def test_grid_report_checks_then_returns_rows_and_models(tmp_path):
     path = write_grid(tmp_path, [HEADER, *PASSES])
-    report = grid.grid_report(path, CARD)
-    card = calc.load_card(CARD)
-    costs = grid.row_costs(grid.load_grid(path, card), card)
+    report = grid_report(path, CARD)
+    card = load_card(CARD)
+    costs = row_costs(load_grid(path, card), card)
     assert report["rows"] == costs
-    assert report["models"] == grid.model_costs(costs)
+    assert report["models"] == model_costs(costs)
     assert (report["grid"], report["tariffs"], report["currency"]) == (str(path), str(CARD), "USD")
     assert "ROUND_HALF_UP" in report["rounding"] and "illustrative" in report["notice"]
 
 
 def test_grid_report_refuses_a_bad_grid(tmp_path):
     path = write_grid(tmp_path, [HEADER, _pass(units_accepted="1_000")], name="bad-grid.csv")
-    with pytest.raises(grid.GridError, match=r"bad-grid.csv, line 2: units_accepted"):
-        grid.grid_report(path, CARD)
+    with pytest.raises(GridError, match=r"bad-grid.csv, line 2: units_accepted"):
+        grid_report(path, CARD)
 
 
 def test_grid_report_default_card_is_shown_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_grid(tmp_path, [HEADER, PASSES[1]])
-    report = grid.grid_report("grid.csv")
+    report = grid_report("grid.csv")
     assert not Path(report["tariffs"]).is_absolute()
     assert (tmp_path / report["tariffs"]).resolve() == CARD
 

@@ -38,6 +38,7 @@ class Standalone:
 # The kit's two files: their names, command lines and outputs are the seed's.
 STANDALONE = (
     Standalone("lab_helpers/mesure_memoire.py", ("lab_helpers/synthetic/commands.py",)),
+    Standalone("lab_helpers/calcul_forfaits.py", ("lab_helpers/pricing/commands.py",)),
 )
 # A notebook kernel has no __file__: these modules take the notebook's form there (the kernel runs
 # in notebooks/, one folder below the checkout's root, as `make lab` starts it).

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lab_helpers.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, LabError
+from lab_helpers.core.text import printable
 
 
 def quiet_broken_pipe(main_function):
@@ -33,9 +34,17 @@ def quiet_broken_pipe(main_function):
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse that reports every usage error as one line `prog: error: msg` and exit code 2."""
+    """argparse that reports every usage error as one line `prog: error: msg` and exit code 2.
+    With a `hint` (" (see --help)"), the line ends with it, and the message is folded to one line of
+    printable text first (argparse quotes a user's stray arguments as typed)."""
+
+    def __init__(self, *args, hint: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
 
     def error(self, message):
+        if self.hint:
+            message = printable(" ".join(message.split())) + self.hint
         # a subcommand's parser is named "prog sub": its errors start "prog: error:", as the
         # command's other errors do
         self.exit(EXIT_USAGE, f"{self.prog.split()[0]}: error: {message}\n")
@@ -64,7 +73,8 @@ class Command:
 @dataclass(frozen=True)
 class Program:
     """A command-line program: its subcommands, or one command that is the whole program (`single`).
-    `on_usage_error` runs before a LabError's line is printed (torchrun's ranks use it)."""
+    `on_usage_error` runs before a LabError's line is printed (torchrun's ranks use it); `usage_hint`
+    ends the parser's usage errors (see CommandParser)."""
 
     prog: str
     description: str
@@ -73,6 +83,7 @@ class Program:
     on_start: Callable = None
     on_usage_error: Callable = None
     epilog: str = ""
+    usage_hint: str = ""
 
 
 def program_parser(program: Program) -> argparse.ArgumentParser:
@@ -80,7 +91,7 @@ def program_parser(program: Program) -> argparse.ArgumentParser:
     # an epilog holds examples laid out by hand; without one, argparse wraps the description
     layout = {"formatter_class": argparse.RawDescriptionHelpFormatter} if program.epilog else {}
     parser = CommandParser(prog=program.prog, description=program.description, epilog=program.epilog or None,
-                           **layout)
+                           hint=program.usage_hint, **layout)
     if program.single:
         program.commands[0].add_arguments(parser)
         parser.set_defaults(handler=program.commands[0].handle, command=program.commands[0].name)

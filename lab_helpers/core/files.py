@@ -1,4 +1,4 @@
-"""Files: paths as the user gave them, exclusive whole-or-nothing writers, the one bounded JSON reader, CSV text."""
+"""Files: paths as the user gave them, exclusive whole-or-nothing writers, the one bounded reader (JSON or text), CSV text."""
 import csv
 import io
 import json
@@ -6,11 +6,13 @@ import math
 import numbers
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.text import printable
 
 
 MAX_MEASUREMENT_FILE_BYTES = 64 * 2**20  # a real measurement file is a few KiB
@@ -225,33 +227,110 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _read_bounded(path, max_bytes: int, refuse) -> bytes:
+    """Return the bytes of the regular file at `path`, at most `max_bytes`: opened without blocking (so a
+    FIFO or a device is refused, never read), its size checked before reading, never more than
+    max_bytes + 1 bytes read even if the file grows. Each fault raises `refuse(fault, detail)`, the
+    caller's error: fault "open" (detail: the OSError, or the ValueError of a path holding NUL),
+    "folder", "special" (a FIFO, socket or device), "size" (st_size), "read" (the OSError) or
+    "grown" (the bytes read, over the bound)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except (OSError, ValueError) as exc:
+        raise refuse("open", exc) from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise refuse("folder", None)
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse("special", None)
+        if info.st_size > max_bytes:
+            raise refuse("size", info.st_size)
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise refuse("read", exc) from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:  # the file grew after fstat
+        raise refuse("grown", len(data))
+    return data
+
+
+def read_bounded_bytes(path, max_bytes: int, what: str, shown=None) -> bytes:
+    """Return the bytes of the regular file at `path`, at most `max_bytes` long.
+
+    Faults raise LabError naming the file as `shown` (default: `path` as given) and the file as a
+    `what` ("rate card"): a missing or unreadable path, a folder, a pipe or device (opened without
+    blocking, never read), a file over `max_bytes` (checked before reading)."""
+    shown = printable(path if shown is None else shown)
+
+    def refuse(fault, detail):
+        if fault == "open" and isinstance(detail, ValueError):
+            return LabError(f"{shown}: cannot read the {what} (the path holds a NUL character)")
+        if fault in ("open", "read"):
+            return LabError(f"{shown}: cannot read the {what} ({detail.strerror or detail})")
+        if fault == "folder":
+            return LabError(f"{shown}: is a folder, not a {what} file")
+        if fault == "special":
+            return LabError(f"{shown}: is not a regular file (a pipe, socket or device); give the {what} as a file")
+        if fault == "size":
+            return LabError(f"{shown}: is {detail} bytes, over the {max_bytes}-byte limit for a {what}")
+        return LabError(f"{shown}: is over the {max_bytes}-byte limit for a {what}")
+
+    return _read_bounded(path, max_bytes, refuse)
+
+
+def read_bounded_text(path, max_bytes: int, what: str, shown=None) -> str:
+    """Return the UTF-8 text (a BOM allowed) of the regular file at `path`, at most `max_bytes` long:
+    read_bounded_bytes, then UTF-16, binary (a NUL byte) and non-UTF-8 data refused, naming the line.
+    Faults raise LabError naming the file as `shown` (default: `path` as given)."""
+    shown = printable(path if shown is None else shown)
+    return _utf8_text(read_bounded_bytes(path, max_bytes, what, shown), shown, what)
+
+
+def _utf8_text(data: bytes, shown: str, what: str) -> str:
+    """Return `data` decoded as UTF-8 (BOM allowed); refuse UTF-16 and binary data."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise LabError(f"{shown}, line 1: the {what} is UTF-16 text; save it as UTF-8")
+    if b"\x00" in data:
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise LabError(f"{shown}, line {line}: binary data (a NUL byte), not a CSV {what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise LabError(f"{shown}, line {line}: not UTF-8 text (byte {exc.start})") from None
+
+
 def read_json_file(path, max_bytes: int = MAX_MEASUREMENT_FILE_BYTES, max_depth: int = MAX_JSON_DEPTH):
     """Parse the JSON file at `path` with bounds: a regular file (a FIFO or device is refused without
     blocking), at most `max_bytes`, UTF-8, nesting at most `max_depth`, no NaN or infinities.
     Raise LabError naming `path` as given."""
-    import stat
     shown = display_path(path)
-    try:
-        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        reason = "no such file" if exc.errno == 2 else _os_problem(exc)
-        raise LabError(f"cannot read {shown}: {reason}") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise LabError(f"cannot read {shown}: it is a folder")
-        if not stat.S_ISREG(info.st_mode):
-            raise LabError(f"cannot read {shown}: not a regular file")
-        if info.st_size > max_bytes:
-            raise LabError(f"{shown}: {info.st_size} bytes; a measurement file holds at most {max_bytes} bytes")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(max_bytes + 1)
-    except OSError as exc:
-        raise LabError(f"cannot read {shown}: {_os_problem(exc)}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise LabError(f"{shown}: more than {max_bytes} bytes; a measurement file holds at most that")
+
+    def refuse(fault, detail):
+        if fault == "open" and isinstance(detail, ValueError):
+            return LabError(f"cannot read {shown}: the path holds a NUL character")
+        if fault == "open":
+            return LabError(f"cannot read {shown}: {'no such file' if detail.errno == 2 else _os_problem(detail)}")
+        if fault == "read":
+            return LabError(f"cannot read {shown}: {_os_problem(detail)}")
+        if fault == "folder":
+            return LabError(f"cannot read {shown}: it is a folder")
+        if fault == "special":
+            return LabError(f"cannot read {shown}: not a regular file")
+        if fault == "size":
+            return LabError(f"{shown}: {detail} bytes; a measurement file holds at most {max_bytes} bytes")
+        return LabError(f"{shown}: more than {max_bytes} bytes; a measurement file holds at most that")
+
+    data = _read_bounded(path, max_bytes, refuse)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
