@@ -690,7 +690,7 @@ MAX_PHASE_RECORDS = 2**20 + 16
 _COUNT = {"type": "integer", "minimum": 1}
 
 
-MAX_RANKS = 64  # MAX_TENSOR_PARALLEL: ranks of one tensor-parallel run
+MAX_TENSOR_PARALLEL = 64  # ranks of one tensor-parallel run (torchrun, one process per GPU)
 
 
 _BYTES = {"$ref": "#/$defs/bytes"}
@@ -715,7 +715,7 @@ MEASUREMENT_SCHEMA = {
         "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
                    "items": {"$ref": "#/$defs/phase"}},
         # a tensor-parallel file: every rank's phases instead of top-level phases
-        "ranks": {"type": "array", "minItems": 1, "maxItems": MAX_RANKS, "items": {"$ref": "#/$defs/rank"}},
+        "ranks": {"type": "array", "minItems": 1, "maxItems": MAX_TENSOR_PARALLEL, "items": {"$ref": "#/$defs/rank"}},
     },
     "allOf": [
         {"if": {"required": ["configuration"],
@@ -783,14 +783,14 @@ MEASUREMENT_SCHEMA = {
                 "warmup": {"type": "integer", "minimum": 0, "maximum": MAX_PASSES},
                 "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
                 "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
-                "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_RANKS},
+                "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_TENSOR_PARALLEL},
             },
         },
         "rank": {
             "type": "object",
             "required": ["rank", "device", "phases"],
             "properties": {
-                "rank": {"type": "integer", "minimum": 0, "maximum": MAX_RANKS - 1},
+                "rank": {"type": "integer", "minimum": 0, "maximum": MAX_TENSOR_PARALLEL - 1},
                 "device": {"$ref": "#/$defs/device"},
                 "device_name": {"type": "string"},
                 # what NCCL holds outside PyTorch's allocator on this rank's device
@@ -1116,7 +1116,7 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
     recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
     the snapshot ends with. `labels`: {address: label} stored on the last alloc event at that
     address (the tensor made there last: an address is reused once its block is free). `stacks`: keep each allocation's innermost frames (column
-    ``frames``). lab_helpers.timeline.check_timeline validates the result.
+    ``frames``). lab_helpers.views.timeline.check_timeline validates the result.
     """
     check_allocator_snapshot(snapshot, "snapshot")
     phases = _phase_marks(phase_marks)
@@ -1514,7 +1514,6 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
 # One measuring process per GPU, started by torchrun (torch.distributed's launcher); the lab adds
 # no launcher of its own. Names other measuring commands use: launch_info, LaunchInfo,
 # TensorParallelRun.
-MAX_TENSOR_PARALLEL = MAX_RANKS
 
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

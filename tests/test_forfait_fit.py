@@ -307,9 +307,9 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):
 
 
 def test_the_notebook_copy_gives_the_same_answer(tmp_path):
-    # the forfaits notebook's generated cells, up to forfait_fit's, run as one module
-    from lab_helpers import notebook_sync
-    code = notebook_sync.notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/forfait_fit.py")
+    # the forfaits notebook's generated cells, up to card_fit's, run as one module
+    from lab_helpers.build.sync import notebook_code_upto
+    code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/real/card_fit.py")
     path = tmp_path / "forfaits_cells.py"
     path.write_text(code, encoding="utf-8")
     cells = load_module(path)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lab_helpers import notebook_sync
+from lab_helpers.build.sync import notebook_code_upto, sync
 
 ROOT = Path(__file__).resolve().parent.parent
 CARD = ROOT / "data" / "tarifs-forfaits.csv"
@@ -319,10 +319,10 @@ def test_no_flag_and_no_card_anywhere_exits_2(tmp_path):
 
 
 def test_without_file_the_card_is_found_from_the_notebook_folder(monkeypatch):
-    code = notebook_sync.notebook_code(NOTEBOOK, "lab_helpers/calcul_forfaits.py")
+    code = notebook_code_upto(NOTEBOOK, "lab_helpers/pricing/card.py")
     namespace = {"__name__": "notebook_kernel"}  # a kernel defines no __file__
+    monkeypatch.chdir(ROOT / "notebooks")  # where `make lab` starts the kernel
     exec(compile(code, "notebook-cell", "exec"), namespace)
-    monkeypatch.chdir(ROOT / "notebooks")
     assert namespace["default_card_path"]().resolve() == CARD
 
 
@@ -363,7 +363,7 @@ def test_notebook_is_committed_without_outputs():
 
 
 def test_notebook_generated_cell_matches_the_module():
-    assert notebook_sync.sync(check=True, only=[NOTEBOOK]) == []
+    assert sync(check=True, only=[NOTEBOOK]) == []
 
 
 def test_notebook_parameters_and_labels():

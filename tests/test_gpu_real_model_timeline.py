@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers import timeline as tl  # noqa: E402
+from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND  # noqa: E402
+from lab_helpers.views import timeline as tl  # noqa: E402
 from lab_helpers.core.numbers import parse_device  # noqa: E402
 from lab_helpers.real.config import load_config  # noqa: E402
 
@@ -107,7 +108,7 @@ def test_real_model_out_of_memory_with_timeline_saves_only_the_snapshot(tmp_path
     assert proc.stderr.endswith(f"no file written; out-of-memory snapshot: {out / 't.oom.json'}\n"), proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["t.oom.json"]
     document = json.loads((out / "t.oom.json").read_text())
-    assert document["kind"] == tl.OOM_SNAPSHOT_KIND and document["phase"] == "prefill"
+    assert document["kind"] == OOM_SNAPSHOT_KIND and document["phase"] == "prefill"
     assert document["failed_request_bytes"] >= WIDE_HIDDEN_BYTES > document["device_free_bytes"]
     proc = timeline_command("explain", out / "t.oom.json", "--format", "json")
     assert proc.returncode == 0, proc.stderr

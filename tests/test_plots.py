@@ -124,13 +124,17 @@ def model_and_plots(request, tmp_path_factory):
     """(module with predict_model, module with plot_bytes_by_kind): the library's, or what the
     real-model notebook's kernel has defined once its plots cell has run (one namespace)."""
     if request.param == "library":
+        import types
+        from lab_helpers.real.config import parse_config
+        from lab_helpers.real.predict import predict_model
+        from lab_helpers.real.spec import RunSpec
         from lab_helpers.views import plots as library_plots
-        from lab_helpers import real_model
+        real_model = types.SimpleNamespace(parse_config=parse_config, RunSpec=RunSpec, predict_model=predict_model)
         return real_model, library_plots
     from conftest import load_module
-    from lab_helpers import notebook_sync
+    from lab_helpers.build.sync import notebook_code_upto
     path = tmp_path_factory.mktemp("real-model-notebook") / "real_model_notebook.py"
-    path.write_text(notebook_sync.notebook_code_upto(REAL_MODEL_NOTEBOOK, "lab_helpers/plots.py"), encoding="utf-8")
+    path.write_text(notebook_code_upto(REAL_MODEL_NOTEBOOK, "lab_helpers/views/plots.py"), encoding="utf-8")
     module = load_module(path)
     return module, module
 

@@ -396,8 +396,8 @@ def test_runs_and_plots_read_a_transformers_measurement(transformers_measurement
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "runs.csv").read_text().splitlines()
     assert len(lines) == 1 + 5 and "qwen1.5-0.5b" in lines[1]
-    from lab_helpers import plots
-    table = plots.phase_table(str(transformers_measurement))
+    from lab_helpers.views.plots import phase_table
+    table = phase_table(str(transformers_measurement))
     assert list(table.index) == ["model_load", "inputs", "prefill", "decode #0", "decode #1"]
 
 

@@ -152,7 +152,7 @@ def timeline_from_snapshot(snapshot: dict, phase_marks: list = (), device=None, 
     recorded. ``initial_*_bytes`` are what the trace's first event found, derived from the segments
     the snapshot ends with. `labels`: {address: label} stored on the last alloc event at that
     address (the tensor made there last: an address is reused once its block is free). `stacks`: keep each allocation's innermost frames (column
-    ``frames``). lab_helpers.timeline.check_timeline validates the result.
+    ``frames``). lab_helpers.views.timeline.check_timeline validates the result.
     """
     check_allocator_snapshot(snapshot, "snapshot")
     phases = _phase_marks(phase_marks)

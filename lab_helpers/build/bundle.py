@@ -6,13 +6,15 @@ which the syntax tree finds (no markers in library code), under a marker naming 
 from. A name defined at top level by two sections is refused: a bundle is one namespace, and the
 names in it are the library's own.
 
-    python -m lab_helpers.build.bundle          # rewrite the generated standalone files
-    python -m lab_helpers.build.bundle --check  # exit 1 if one differs from what this builds
+`python -m lab_helpers.build.sync` (make sync) writes them; with --check (make sync-check) it
+only compares, and exits 1 when one differs.
 """
 import ast
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from lab_helpers.core.files import replace_text
 
 PACKAGE = "lab_helpers"
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,32 +250,5 @@ def build(root: Path = ROOT, check: bool = False) -> list:
         if have != want:
             stale.append(target.path)
             if not check:
-                path.write_text(want, encoding="utf-8")
+                replace_text(path, want)  # whole or not at all
     return stale
-
-
-def build_parser():
-    from lab_helpers.core.cli import CommandParser
-    parser = CommandParser(prog="bundle", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a generated file differs from what the package builds")
-    return parser
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        stale = build(check=args.check)
-    except (BundleError, OSError, SyntaxError) as exc:
-        print(f"bundle: error: {exc}", file=sys.stderr)
-        return 2
-    for path in stale:
-        print(("stale: " if args.check else "updated: ") + path)
-    if args.check and stale:
-        print("a generated standalone file differs from the package; run `make sync`", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from lab_helpers.core.errors import LabError, safe_reason
 from lab_helpers.core.numbers import parse_whole
 from lab_helpers.measurement.protocol import import_torch
-from lab_helpers.measurement.schema import MAX_RANKS
+from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 
 
 # One measuring process per GPU, started by torchrun (torch.distributed's launcher); the lab adds
 # no launcher of its own. Names other measuring commands use: launch_info, LaunchInfo,
 # TensorParallelRun.
-MAX_TENSOR_PARALLEL = MAX_RANKS
 
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -46,7 +46,7 @@ MAX_PHASE_RECORDS = 2**20 + 16
 _COUNT = {"type": "integer", "minimum": 1}
 
 
-MAX_RANKS = 64  # MAX_TENSOR_PARALLEL: ranks of one tensor-parallel run
+MAX_TENSOR_PARALLEL = 64  # ranks of one tensor-parallel run (torchrun, one process per GPU)
 
 
 _BYTES = {"$ref": "#/$defs/bytes"}
@@ -71,7 +71,7 @@ MEASUREMENT_SCHEMA = {
         "phases": {"type": "array", "minItems": 1, "maxItems": MAX_PHASE_RECORDS,
                    "items": {"$ref": "#/$defs/phase"}},
         # a tensor-parallel file: every rank's phases instead of top-level phases
-        "ranks": {"type": "array", "minItems": 1, "maxItems": MAX_RANKS, "items": {"$ref": "#/$defs/rank"}},
+        "ranks": {"type": "array", "minItems": 1, "maxItems": MAX_TENSOR_PARALLEL, "items": {"$ref": "#/$defs/rank"}},
     },
     "allOf": [
         {"if": {"required": ["configuration"],
@@ -139,14 +139,14 @@ MEASUREMENT_SCHEMA = {
                 "warmup": {"type": "integer", "minimum": 0, "maximum": MAX_PASSES},
                 "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
                 "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
-                "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_RANKS},
+                "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_TENSOR_PARALLEL},
             },
         },
         "rank": {
             "type": "object",
             "required": ["rank", "device", "phases"],
             "properties": {
-                "rank": {"type": "integer", "minimum": 0, "maximum": MAX_RANKS - 1},
+                "rank": {"type": "integer", "minimum": 0, "maximum": MAX_TENSOR_PARALLEL - 1},
                 "device": {"$ref": "#/$defs/device"},
                 "device_name": {"type": "string"},
                 # what NCCL holds outside PyTorch's allocator on this rank's device

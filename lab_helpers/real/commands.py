@@ -19,7 +19,8 @@ from lab_helpers.core.cli import Command, Program, error_line, program_parser, q
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, read_json_file, write_new_json
 from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
-from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL, hold_launcher_stop, keep_own_exit_code, wait_for_every_rank
+from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, wait_for_every_rank
+from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
@@ -27,7 +28,8 @@ from lab_helpers.real.card_fit import card_fit, check_card_flags
 from lab_helpers.real.config import bundled_names, check_tensor_parallel, load_config
 from lab_helpers.real.fit import fit_model, gpu_budget, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
-from lab_helpers.real.protocol import measure_model, measure_model_parallel
+from lab_helpers.real.parallel import measure_model_parallel
+from lab_helpers.real.protocol import measure_model
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
 from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
 

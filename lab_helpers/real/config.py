@@ -14,7 +14,7 @@ from pathlib import Path
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.core.paths import REPOSITORY
-from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL
+from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 
 MODELS_DIR = REPOSITORY / "data" / "models"
 # model_type -> the transformers class the lab builds; the three families validated on a GPU

@@ -2,23 +2,18 @@
 
 `run_protocol` runs the same steps on a GPU (measured phase by phase with the allocator's own
 counters) and on PyTorch's meta device (traced op by op by lab_helpers.real.tracer), so the order in
-which tensors are made and dropped is the same in both. `measure_model` and `measure_model_parallel`
-measure it on one GPU or one rank of a tensor-parallel run started by torchrun.
+which tensors are made and dropped is the same in both. `measure_model` measures it on
+one GPU (lab_helpers/real/parallel.py measures one rank of a tensor-parallel run).
 """
 import contextlib
-from dataclasses import replace
-from pathlib import Path
 
 from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.files import check_new_output, write_new_json
 from lab_helpers.core.numbers import parse_device
-from lab_helpers.launch.tensor_parallel import TensorParallelRun
-from lab_helpers.launch.torchrun import launch_info
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
-from lab_helpers.real.config import ModelShape, check_tensor_parallel
+from lab_helpers.real.config import ModelShape
 from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, run_configuration
 
 def transformers_config(shape: ModelShape):
@@ -199,7 +194,7 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     state.clear()
 
 
-def _check_cuda(torch, spec: RunSpec):
+def check_cuda(torch, spec: RunSpec):
     index = parse_device(spec.device)
     if not torch.cuda.is_available():
         raise LabError("no CUDA device is available to torch; measure never falls back to the CPU")
@@ -222,7 +217,7 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
     except Exception as exc:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     del transformers  # imported only to fail here, before the GPU is touched, if it cannot
-    device = _check_cuda(torch, spec)
+    device = check_cuda(torch, spec)
     torch.cuda.set_device(device)
     torch.cuda.init()
     env = environment(spec.device, usable_memory_figure=False)  # a probe child would fill the GPU mid-run
@@ -263,73 +258,6 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
         "model": model_description(shape, spec.dtype),
         "phases": phases,
     }
-
-
-def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "Path | None" = None) -> "dict | None":
-    """Measure one rank of a tensor-parallel run started by torchrun (spec.tensor_parallel ranks).
-
-    Every rank measures its phases on cuda:LOCAL_RANK exactly as one GPU does; rank 0 gathers
-    every rank's records (over gloo, after every rank finished) and, with `output`, creates the one
-    result file. Returns the document on rank 0, None on the others. A failure on any rank ends
-    every rank with the same exit code and one line (lab_helpers.launch.tensor_parallel.TensorParallelRun); no file is
-    written. `command` is the argv given, to say how to launch it when no launcher did."""
-    check_tensor_parallel(shape, spec.tensor_parallel)
-    info = launch_info(spec.tensor_parallel, command)  # LabError before torch touches a GPU
-    try:
-        import torch
-        import transformers
-        from torch.distributed.device_mesh import DeviceMesh
-    except Exception as exc:
-        raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
-    del transformers  # imported only to fail here, before the GPU is touched, if it cannot
-    spec = replace(spec, device=info.device)
-    device = _check_cuda(torch, spec)
-    torch.cuda.init()
-    with TensorParallelRun(info, device, prog="real_model") as run:
-        if run.rank == 0 and output is not None:
-            try:
-                check_new_output(output)  # before minutes of loading, on every rank's behalf
-            except LabError as exc:
-                run.fail(exc)
-        env = environment(spec.device, usable_memory_figure=False)
-        phases = []
-
-        def phase(name, action, index, recorded):
-            failed_as = name if index is None else f"{name} {index}"
-            try:
-                if not recorded:
-                    action()
-                    return
-                record, _ = run_phase(torch, device, name, action, index,
-                                      1 if name in ("prefill", "decode") else 0, None, failed_as)
-            except RuntimeError as exc:
-                raise PhaseError(failed_as, exc) from None
-            phases.append(record)
-
-        try:
-            run_protocol(shape, spec, device, phase, mesh=DeviceMesh.from_group(run.group, "cuda"))
-        except (PhaseError, LabError) as exc:
-            run.fail(exc)
-        mine = {"rank": run.rank, "device": spec.device, "device_name": env.get("device_name"),
-                "outside_allocator": run.outside_allocator, "phases": phases}
-        ranks = run.gather((mine, env))
-        document = None
-        if run.rank == 0:
-            document = {
-                "schema_version": SCHEMA_VERSION,
-                "kind": "iteragpu-lab measurement",
-                "environment": env,
-                "configuration": run_configuration(spec),  # rank 0's device
-                "model": model_description(shape, spec.dtype),
-                "ranks": [record for record, _ in ranks],
-            }
-            if output is not None:
-                try:
-                    write_new_json(output, document)
-                except LabError as exc:
-                    run.fail(exc)
-        run.broadcast(None)  # every rank ends after the file exists
-    return document
 
 
 def timeline_labels(alive: dict) -> dict:

@@ -4,7 +4,7 @@ from dataclasses import asdict, dataclass
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
-from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL
+from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 from lab_helpers.real.config import ModelShape
 
 REAL_PHASE_NAMES = ("model_load", "inputs", "prefill", "decode")

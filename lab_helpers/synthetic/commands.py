@@ -17,14 +17,14 @@ from lab_helpers.core.cli import Command, Program, error_line, program_parser, q
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
 from lab_helpers.core.numbers import DTYPE_BYTES, MAX_BITS, decimal_number, whole_number
-from lab_helpers.launch.torchrun import (MAX_TENSOR_PARALLEL, hold_launcher_stop, keep_own_exit_code,
-                                         launch_info, wait_for_every_rank)
+from lab_helpers.launch.torchrun import (hold_launcher_stop, keep_own_exit_code, launch_info,
+                                         wait_for_every_rank)
+from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED,
+                                            MAX_TENSOR_PARALLEL, MAX_WIDTH, read_measurement)
 from lab_helpers.measurement.environment import environment, environment_table
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import (add_timeline_flags, save_oom_snapshot, timeline_recorder,
                                                write_timeline)
-from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED,
-                                            MAX_WIDTH, read_measurement)
 from lab_helpers.synthetic.estimate import MAX_PARAMETERS, MAX_RESERVE_GIB, estimate, estimate_table
 from lab_helpers.synthetic.measure import measure
 from lab_helpers.synthetic.network import MeasureConfig

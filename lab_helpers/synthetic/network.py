@@ -4,8 +4,8 @@ from dataclasses import asdict, dataclass, replace
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device, parse_whole
-from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL
-from lab_helpers.measurement.schema import MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED, MAX_WIDTH
+from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED,
+                                            MAX_TENSOR_PARALLEL, MAX_WIDTH)
 
 
 MAX_TENSOR_BYTES = 2**48  # 256 TiB: above any device, and byte arithmetic stays exact

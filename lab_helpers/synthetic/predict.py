@@ -4,9 +4,8 @@ import math
 from lab_helpers.allocator.model import AllocatorModel, DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
-from lab_helpers.launch.torchrun import MAX_TENSOR_PARALLEL
-from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MEASUREMENT_SCHEMA, PHASES, SCHEMA_VERSION,
-                                            schema_errors)
+from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MAX_TENSOR_PARALLEL, MEASUREMENT_SCHEMA,
+                                            PHASES, SCHEMA_VERSION, schema_errors)
 from lab_helpers.synthetic.network import MeasureConfig, parameter_shapes, synthetic_model
 
 
