@@ -5,13 +5,15 @@
 # With two or more GPUs visible it runs two halves at once, one GPU each (CUDA_VISIBLE_DEVICES), so
 # that no test shares a GPU with another: the real-model half on GPU 0, the rest on GPU 1. The
 # tensor-parallel tests then run alone, under torchrun on both GPUs (they skip with fewer than two).
-# Usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|tensor-parallel]   (logs and results land there;
-# one-gpu: the two halves only; tensor-parallel: the torchrun tests only; default all)
+# Usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|real-models|the-rest|tensor-parallel]   (logs and
+# results land there; one-gpu: the two halves only; real-models or the-rest: one half, so that one H200
+# runs each in its own call; tensor-parallel: the torchrun tests only; default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|tensor-parallel]}
+out=${1:?usage: bash .ci/gpu-validate.sh OUTPUT_DIR [all|one-gpu|real-models|the-rest|tensor-parallel]}
 steps=${2:-all}
-case $steps in all|one-gpu|tensor-parallel) ;; *) echo "gpu-validate.sh: error: steps must be all, one-gpu or tensor-parallel, not '$steps'" >&2; exit 2 ;; esac
+case $steps in all|one-gpu|real-models|the-rest|tensor-parallel) ;;
+  *) echo "gpu-validate.sh: error: steps must be all, one-gpu, real-models, the-rest or tensor-parallel, not '$steps'" >&2; exit 2 ;; esac
 mkdir -p "$out/plots"
 out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
@@ -79,6 +81,8 @@ PY
 
 failed=()
 if [ "$steps" = tensor-parallel ]; then :
+elif [ "$steps" = real-models ]; then real_models || failed+=(real-models)
+elif [ "$steps" = the-rest ]; then the_rest || failed+=(the-rest)
 elif [ "$gpus" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=0; real_models ) & first=$!
   ( export CUDA_VISIBLE_DEVICES=1; the_rest ) & second=$!
@@ -88,7 +92,7 @@ else
   real_models || failed+=(real-models)
   the_rest || failed+=(the-rest)
 fi
-if [ "$steps" != one-gpu ]; then  # every visible GPU: torchrun starts one rank per GPU
+if [ "$steps" = all ] || [ "$steps" = tensor-parallel ]; then  # every visible GPU: torchrun starts one rank per GPU
   "${pytest[@]}" -m gpu tests/test_gpu_tensor_parallel.py > "$out/pytest-gpu-tensor-parallel.log" 2>&1 ||
     failed+=(tensor-parallel)
   "${pytest[@]}" -m gpu tests/test_gpu_real_model_tp.py > "$out/pytest-gpu-real-model-tp.log" 2>&1 ||

@@ -529,6 +529,16 @@ def _read_bounded(path, max_bytes: int, refuse) -> bytes:
     return data
 
 
+def open_regular_file(path):
+    """Open the regular file at `path` for reading in binary (for a reader that streams it in chunks);
+    OSError if it is anything else. Opened without blocking, so a FIFO is refused, never waited on."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError("not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_bounded_bytes(path, max_bytes: int, what: str, shown=None) -> bytes:
     """Return the bytes of the regular file at `path`, at most `max_bytes` long.
 

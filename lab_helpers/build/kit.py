@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from lab_helpers.build.strip import committed_form
 from lab_helpers.core.cli import Command, Program, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, LabError
-from lab_helpers.core.files import replace_bytes, write_new_bytes
+from lab_helpers.core.files import open_regular_file, replace_bytes, write_new_bytes
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.core.text import printable
 
@@ -260,20 +260,6 @@ def zip_files(archive: zipfile.ZipFile, problems: list) -> dict:
     return files
 
 
-def _open_no_block(path) -> int:
-    """Open `path` read-only without blocking on a pipe; return the descriptor."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-
-
-def _open_regular(path):
-    """Open the regular file at `path` for reading; OSError if it is anything else."""
-    fd = _open_no_block(path)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError("not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def folder_files(path: Path, problems: list) -> dict:
     """Map each file under the extracted folder to an opener of its bytes; links are problems."""
     files = {}
@@ -285,7 +271,7 @@ def folder_files(path: Path, problems: list) -> dict:
                 problems.append(f"{name}: is a link, not a file")
             elif entry_name in names:
                 if entry.is_file():
-                    files[name] = lambda entry=entry: _open_regular(entry)
+                    files[name] = lambda entry=entry: open_regular_file(entry)
                 else:
                     problems.append(f"{name}: is not a regular file (a pipe, socket or device)")
         dirs[:] = sorted(d for d in dirs if not (Path(folder) / d).is_symlink())
@@ -348,7 +334,7 @@ def verify_kit(path: Path) -> list:
     if path.is_dir():
         return check_files(folder_files(path, problems), problems)
     try:
-        handle = _open_regular(path)
+        handle = open_regular_file(path)
     except OSError as exc:
         return [f"{shown}: not a readable zip archive ({exc.strerror or exc})"]
     try:

@@ -6,14 +6,12 @@ blocks, fragmentation or exhaustion, and what ``expandable_segments`` or ``empty
 change, in numbers and words; ``explanation_table`` says it for people.
 """
 import io
-import os
 import pickle
-import stat
 
 from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, check_allocator_snapshot, is_byte_count
 from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES,
                                          SMALL_SEGMENT_BYTES)
-from lab_helpers.core.files import read_json_file
+from lab_helpers.core.files import read_bounded_bytes, read_json_file
 from lab_helpers.core.numbers import MIB
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.views.timeline import MAX_FILE_BYTES, TimelineError
@@ -44,23 +42,10 @@ class _DataOnlyUnpickler(pickle.Unpickler):
 
 
 def read_bounded(path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`, checked before reading (FIFOs never block).
-    Only a pickle needs bytes: JSON is read by core.files.read_json_file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise TimelineError(f"cannot read {path}: {exc.strerror}") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise TimelineError(f"{path} is not a regular file")
-    if info.st_size > max_bytes:
-        os.close(fd)
-        raise TimelineError(f"{path} is {info.st_size} bytes, over the {max_bytes}-byte limit")
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise TimelineError(f"{path} grew over the {max_bytes}-byte limit while being read")
+    """The bytes of a snapshot file (core.files' bounded reader: a regular file of at most `max_bytes`,
+    checked before reading, FIFOs never block). Only a pickle needs bytes: JSON is read by
+    core.files.read_json_file."""
+    data = read_bounded_bytes(path, max_bytes, "snapshot")
     if not data:
         raise TimelineError(f"{path} is empty")
     return data
