@@ -111,7 +111,7 @@ def test_launcher_environment_reads_only_torchrun_variables(mm, monkeypatch):
 
 # ---------------------------------------------------------------- ranks over gloo, under torchrun
 WORKER = r'''
-import json, os, sys, time
+import json, os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import mesure_memoire as mm
 import torch
@@ -153,6 +153,24 @@ with mm.TensorParallelRun(info, "cpu", prog="worker", timeout_seconds=60) as run
         mm.write_new_json(output, records)
     else:
         assert records is None
+    if scenario == "store-stalls-at-exit" and run.rank == 1:
+        # torchrun, which hosts the store, is not scheduled for 4 s as this rank leaves (a busy
+        # machine): the monitor's read of the store is under way and waits
+        launcher = os.getppid()
+        subprocess.Popen(["sh", "-c", f"sleep 4; kill -CONT {launcher}"])
+        os.kill(launcher, signal.SIGSTOP)
+        time.sleep(0.5)
+
+
+class SlowExit:
+    """The interpreter's exit takes 3 s (a busy machine): the store answers the monitor during it."""
+
+    def __del__(self):
+        time.sleep(3)
+
+
+if scenario == "store-stalls-at-exit":
+    slow_exit = SlowExit()
 '''
 
 
@@ -181,6 +199,17 @@ def test_gather_brings_every_rank_to_rank_0(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "out.json").read_text())
     assert records == [{"rank": r, "sum": [6.0] * 4} for r in range(3)]
+    assert worker_lines(proc) == []
+
+
+def test_a_store_that_answers_during_the_exit_does_not_abort_a_rank(tmp_path):
+    """The monitor thread reads the store without the GIL; one still inside a read when the
+    interpreter exits is ended inside C++ and the rank dies in std::terminate (SIGABRT, "terminate
+    called without an active exception", seen on a busy machine). The run waits for its monitor."""
+    proc, _ = torchrun(tmp_path, "store-stalls-at-exit")
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr
+    records = json.loads((tmp_path / "out.json").read_text())
+    assert records == [{"rank": r, "sum": [6.0] * 4} for r in range(2)]  # two all-reduces: 1 + 2, twice
     assert worker_lines(proc) == []
 
 
