@@ -2467,7 +2467,8 @@ class TensorParallelRun:
     A rank that fails calls ``fail(error)``: the failure {rank, phase, message} goes to torchrun's
     store; every rank's monitor thread sees it, aborts its communicator (a rank blocked in a
     collective must not hang), prints one line ``PROG: error: rank R failed in phase P: ...; no file
-    written`` on stderr and ends with the same exit code. On exit the groups are destroyed.
+    written`` on stderr and ends with the same exit code. On exit the monitor thread is joined and the
+    groups are destroyed, their threads with them, before the interpreter exits.
     `backend` and `timeout_seconds` exist for tests on the CPU (gloo)."""
 
     def __init__(self, info: LaunchInfo, device, prog: str = "mesure_memoire", *, backend=None,
