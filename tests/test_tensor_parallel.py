@@ -248,7 +248,9 @@ def test_a_rank_that_vanishes_ends_the_others_in_bounded_time(tmp_path):
     assert lines[0].endswith("; no file written")
     # no wait for an acknowledgement that cannot come: from the vanish, gloo's closed connection or
     # torchrun's SIGTERM (which wakes the monitor and the acknowledgement wait at once) ends rank 0;
-    # the wait itself would last FAILURE_ACK_SECONDS (20 s)
+    # the wait itself would last FAILURE_ACK_SECONDS (20 s). Measured from the vanish to torchrun's own
+    # end: 1.5 to 4.9 s with two busy-loop processes and other test suites on 2 cores, so the bound
+    # holds with a margin of 4 while a rank that waited out the acknowledgement would still break it
     assert seconds < FAILURE_ACK_SECONDS, (seconds, proc.stderr)
 
 
