@@ -2540,7 +2540,7 @@ def _compare_rows_table(result: dict) -> str:
 COORDINATION_TIMEOUT_SECONDS = 300
 
 
-MONITOR_INTERVAL_SECONDS = 0.1
+MONITOR_INTERVAL_SECONDS = 0.1  # how often the monitor reads the store; torchrun's SIGTERM and the end wake it at once
 
 
 FAILURE_ACK_SECONDS = 20  # a failing rank waits this long for every rank to print the line
@@ -2553,6 +2553,9 @@ STORE_LOST_SECONDS = 30  # the monitor gives up on a store it cannot reach for t
 
 
 ACK_POLL_SECONDS = 0.005
+
+
+STORE_CALL_MARGIN_SECONDS = 30  # a store call that timed out still needs the CPU to raise, on a busy machine
 
 
 class TensorParallelRun:
@@ -2571,7 +2574,8 @@ class TensorParallelRun:
     A rank that fails calls ``fail(error)``: the failure {rank, phase, message} goes to torchrun's
     store; every rank's monitor thread sees it, aborts its communicator (a rank blocked in a
     collective must not hang), prints one line ``PROG: error: rank R failed in phase P: ...; no file
-    written`` on stderr and ends with the same exit code. On exit the groups are destroyed.
+    written`` on stderr and ends with the same exit code. On exit the monitor thread is joined and the
+    groups are destroyed, their threads with them, before the interpreter exits.
     `backend` and `timeout_seconds` exist for tests on the CPU (gloo)."""
 
     def __init__(self, info: LaunchInfo, device, prog: str = "mesure_memoire", *, backend=None,
@@ -2591,6 +2595,7 @@ class TensorParallelRun:
         self._store_lock = None
         self._stopped = None
         self._monitor = None
+        self._wake = None
         self._ending = None
 
     # ---- the store: failures and acknowledgements
@@ -2613,6 +2618,7 @@ class TensorParallelRun:
 
     def __enter__(self):
         import datetime
+        import socket
         import threading
         import torch
         import torch.distributed as dist
@@ -2623,6 +2629,8 @@ class TensorParallelRun:
         self._store_lock = threading.Lock()
         self._stopped = threading.Event()
         self._ending = threading.Lock()
+        self._wake = socket.socketpair()  # __exit__ writes one byte: the monitor ends without waiting out a poll
+        self._wake[0].setblocking(False)
         self._catch_termination()
         self._monitor = threading.Thread(target=self._watch, name="iteragpu-lab failure monitor", daemon=True)
         self._monitor.start()
@@ -2684,12 +2692,32 @@ class TensorParallelRun:
         import torch.distributed as dist
         if exc is not None and isinstance(exc, Exception):
             self.fail(exc)  # does not return: every rank ends with the same line and code
-        self._stopped.set()
-        self._monitor.join(timeout=MONITOR_INTERVAL_SECONDS * 20)
+        self._stop_monitor()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # destroy_process_group shuts the groups down but gloo's threads live as long as the group
+        # objects: dropping the last references joins them here, while the interpreter is whole. Left
+        # to the interpreter's exit, a C++ thread that still needs Python ends the process in
+        # std::terminate (SIGABRT: "terminate called without an active exception").
+        self.group = None
+        self._gloo = None
         self._release_termination()
         return False
+
+    def _stop_monitor(self):
+        """End the monitor thread and wait for it. It must not outlive the interpreter: a daemon thread
+        that comes back from a store call (which runs without the GIL) once the interpreter is
+        finalizing is ended by Python inside a C++ frame, and the process aborts in std::terminate.
+        The wake byte ends its wait at once; a store call in progress returns or raises within the
+        store's own timeout (timeout_seconds), which bounds this join."""
+        self._stopped.set()
+        try:
+            self._wake[1].send(b"x")
+        except OSError:
+            pass
+        self._monitor.join(timeout=self.timeout_seconds + STORE_CALL_MARGIN_SECONDS)
+        for end in self._wake:
+            end.close()
 
     # ---- termination by the launcher
     # torchrun sends SIGTERM to every rank still running once one has ended. A rank reporting a
@@ -2723,16 +2751,27 @@ class TensorParallelRun:
         self._termination = None
 
     def _terminated(self) -> bool:
-        """True once torchrun's SIGTERM has arrived (read by either thread, remembered for both)."""
+        """True once torchrun's SIGTERM has arrived (read by either thread, remembered for both). Reads
+        whatever the signals wrote, so that a wait on the socket never sees an old byte again."""
         import signal
-        if self._sigterm or self._termination is None:
+        if self._termination is None:
             return self._sigterm
         try:
             received = self._termination[0].recv(256)
         except (BlockingIOError, OSError):
-            return False
-        self._sigterm = signal.SIGTERM in received
+            received = b""
+        if signal.SIGTERM in received:
+            self._sigterm = True
         return self._sigterm
+
+    def _wait_for_signal(self, seconds: float, *also):
+        """Sleep `seconds`, or less when a signal (torchrun's SIGTERM) or a byte on one of `also` arrives."""
+        import select
+        ready = [end for end in (self._termination[0] if self._termination else None, *also) if end is not None]
+        try:
+            select.select(ready, [], [], seconds)
+        except (OSError, ValueError):  # a socket closed under the wait: the caller reads the state again
+            time.sleep(seconds)
 
     def gather(self, obj):
         """Every rank's picklable `obj`, in rank order, on rank 0 (None on the others), over gloo."""
@@ -2802,7 +2841,7 @@ class TensorParallelRun:
                 # ends after all have, so this one is the last or a rank vanished without a word
                 if self._terminated():
                     break
-                time.sleep(ACK_POLL_SECONDS)
+                self._wait_for_signal(ACK_POLL_SECONDS)
         except Exception:
             pass
         os._exit(failure.get("exit_code", EXIT_PHASE))
@@ -2838,7 +2877,9 @@ class TensorParallelRun:
                 error_line(f"{self.prog}: error: rank {self.rank} stopped by torchrun (another rank ended without "
                            "reporting); no file written")
                 os._exit(EXIT_TERMINATED)
-            self._stopped.wait(MONITOR_INTERVAL_SECONDS)
+            # the failure key is polled (the store has no notification); torchrun's SIGTERM and the
+            # end of the run wake this wait at once
+            self._wait_for_signal(MONITOR_INTERVAL_SECONDS, self._wake[0])
 
 
 # ---- from lab_helpers/synthetic/tensor_parallel.py: Measuring the synthetic network split over N GPUs (one torchrun process per GPU).

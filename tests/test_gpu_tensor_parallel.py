@@ -15,6 +15,8 @@ import time
 import pytest
 
 from conftest import ROOT
+from lab_helpers.measurement.schema import measurement_problems, read_measurement
+from lab_helpers.synthetic.predict import compare
 
 pytestmark = pytest.mark.gpu
 PEAK_TOLERANCE = 0.001  # peaks within 0.1 % of the prediction
@@ -55,18 +57,17 @@ def report(name, document):
 @needs_two
 @pytest.mark.parametrize("name", list(SIZES))
 def test_every_rank_matches_its_prediction(name, tmp_path):
-    from lab_helpers import mesure_memoire as mm
     batch, context, width, hidden, dtype, warmup, repeats = SIZES[name]
     out = tmp_path / f"{name}.json"
     proc = torchrun_measure(out, *SIZES[name])
     assert proc.returncode == 0, proc.stderr[-4000:]
     document = json.loads(out.read_text())
-    assert mm.measurement_problems(document) == []  # the schema's every rule, without jsonschema
-    assert mm.read_measurement(out) == document
+    assert measurement_problems(document) == []  # the schema's every rule, without jsonschema
+    assert read_measurement(out) == document
     assert "phases" not in document and document["configuration"]["tensor_parallel"] == 2
     assert [r["rank"] for r in document["ranks"]] == [0, 1]
     assert [r["device"] for r in document["ranks"]] == ["cuda:0", "cuda:1"]
-    result = mm.compare(document)
+    result = compare(document)
     summary = {"name": name, "configuration": document["configuration"], "ranks": []}
     for rank, compared in zip(document["ranks"], result["ranks"]):
         outside = rank["outside_allocator"]

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from lab_helpers.launch.tensor_parallel import FAILURE_ACK_SECONDS
 
 GOOD_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 MEASURE_ARGV = ["-m", "lab_helpers.mesure_memoire", "measure", "--width", "64", "--tensor-parallel", "2",
@@ -110,13 +111,20 @@ def test_launcher_environment_reads_only_torchrun_variables(mm, monkeypatch):
 
 # ---------------------------------------------------------------- ranks over gloo, under torchrun
 WORKER = r'''
-import json, os, sys, time
+import json, os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import mesure_memoire as mm
 import torch
 import torch.distributed as dist
 
 scenario, output = sys.argv[2], sys.argv[3]
+
+
+def mark(name):  # when the event a test times happened (the ranks' start-up is no part of it)
+    with open(name, "w") as file:
+        file.write(repr(time.time()))
+
+
 env = mm.launcher_environment()
 info = mm.LaunchInfo(*(int(env[name]) for name in mm.LAUNCHER_VARIABLES))
 with mm.TensorParallelRun(info, "cpu", prog="worker", timeout_seconds=60) as run:
@@ -126,11 +134,13 @@ with mm.TensorParallelRun(info, "cpu", prog="worker", timeout_seconds=60) as run
     dist.all_reduce(values, group=run.group)
     if scenario == "phase-failure" and run.rank == 1:
         time.sleep(1.0)  # rank 0 is blocked in the collective below by then
+        mark("failed-at")
         run.fail(mm.PhaseError("warm_forward", RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")))
     if scenario == "usage-failure" and run.rank == 0:
         raise mm.LabError("out.json already exists; choose a new file name")
     if scenario in ("vanish", "vanish-while-busy") and run.rank == 1:
         time.sleep(1.0)
+        mark("vanished-at")
         os._exit(9)
     if scenario == "vanish-while-busy":
         time.sleep(50)  # rank 0 is busy (as in a kernel waiting for its peer), in no collective
@@ -143,6 +153,24 @@ with mm.TensorParallelRun(info, "cpu", prog="worker", timeout_seconds=60) as run
         mm.write_new_json(output, records)
     else:
         assert records is None
+    if scenario == "store-stalls-at-exit" and run.rank == 1:
+        # torchrun, which hosts the store, is not scheduled for 4 s as this rank leaves (a busy
+        # machine): the monitor's read of the store is under way and waits
+        launcher = os.getppid()
+        subprocess.Popen(["sh", "-c", f"sleep 4; kill -CONT {launcher}"])
+        os.kill(launcher, signal.SIGSTOP)
+        time.sleep(0.5)
+
+
+class SlowExit:
+    """The interpreter's exit takes 3 s (a busy machine): the store answers the monitor during it."""
+
+    def __del__(self):
+        time.sleep(3)
+
+
+if scenario == "store-stalls-at-exit":
+    slow_exit = SlowExit()
 '''
 
 
@@ -153,6 +181,13 @@ def torchrun(tmp_path, scenario, ranks=2):
                            str(ranks), "worker.py", str(ROOT / "lab_helpers"), scenario, "out.json"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=240)
     return proc, time.monotonic() - started
+
+
+def seconds_since(tmp_path, mark):
+    """Seconds from the event the worker marked in `mark` to now: a bound on what follows an event
+    leaves out torchrun's and the ranks' start-up (importing torch: seconds idle, a minute on a busy
+    machine), which no code of the lab's controls."""
+    return time.time() - float((tmp_path / mark).read_text())
 
 
 def worker_lines(proc):
@@ -167,8 +202,20 @@ def test_gather_brings_every_rank_to_rank_0(tmp_path):
     assert worker_lines(proc) == []
 
 
+def test_a_store_that_answers_during_the_exit_does_not_abort_a_rank(tmp_path):
+    """The monitor thread reads the store without the GIL; one still inside a read when the
+    interpreter exits is ended inside C++ and the rank dies in std::terminate (SIGABRT, "terminate
+    called without an active exception", seen on a busy machine). The run waits for its monitor."""
+    proc, _ = torchrun(tmp_path, "store-stalls-at-exit")
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr
+    records = json.loads((tmp_path / "out.json").read_text())
+    assert records == [{"rank": r, "sum": [6.0] * 4} for r in range(2)]  # two all-reduces: 1 + 2, twice
+    assert worker_lines(proc) == []
+
+
 def test_failure_on_one_rank_ends_every_rank_with_one_line(tmp_path):
-    proc, seconds = torchrun(tmp_path, "phase-failure")
+    proc, _ = torchrun(tmp_path, "phase-failure")
+    seconds = seconds_since(tmp_path, "failed-at")
     line = ("worker: error: rank 1 failed in phase warm_forward: RuntimeError: CUDA out of memory. Tried to "
             "allocate 2.00 GiB; no file written")
     assert worker_lines(proc) == [line, line], proc.stderr  # each rank printed it, rank 0 while blocked
@@ -176,7 +223,8 @@ def test_failure_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     # torchrun reports each worker's exit code: both ended with EXIT_PHASE
     assert proc.stderr.count("exitcode  : 3 ") == 2, proc.stderr
     assert not (tmp_path / "out.json").exists()
-    assert seconds < 60
+    # rank 0 did not wait for its blocked collective to time out (the worker's timeout_seconds=60)
+    assert seconds < 60, seconds
 
 
 def test_a_usage_error_on_rank_0_ends_every_rank_with_exit_2(tmp_path):
@@ -189,7 +237,8 @@ def test_a_usage_error_on_rank_0_ends_every_rank_with_exit_2(tmp_path):
 
 
 def test_a_rank_that_vanishes_ends_the_others_in_bounded_time(tmp_path):
-    proc, seconds = torchrun(tmp_path, "vanish")
+    proc, _ = torchrun(tmp_path, "vanish")
+    seconds = seconds_since(tmp_path, "vanished-at")
     assert proc.returncode != 0
     assert "exitcode  : 9 " in proc.stderr, proc.stderr
     # rank 0, blocked in a collective, ends with one line: gloo sees the closed connection, or
@@ -197,18 +246,24 @@ def test_a_rank_that_vanishes_ends_the_others_in_bounded_time(tmp_path):
     lines = worker_lines(proc)
     assert len(lines) == 1 and lines[0].startswith("worker: error: rank 0 "), proc.stderr
     assert lines[0].endswith("; no file written")
-    assert seconds < 15, proc.stderr  # no wait for an acknowledgement that cannot come
+    # no wait for an acknowledgement that cannot come: from the vanish, gloo's closed connection or
+    # torchrun's SIGTERM (which wakes the monitor and the acknowledgement wait at once) ends rank 0;
+    # the wait itself would last FAILURE_ACK_SECONDS (20 s). Measured from the vanish to torchrun's own
+    # end: 1.5 to 4.9 s with two busy-loop processes and other test suites on 2 cores, so the bound
+    # holds with a margin of 4 while a rank that waited out the acknowledgement would still break it
+    assert seconds < FAILURE_ACK_SECONDS, (seconds, proc.stderr)
 
 
 def test_a_rank_busy_when_another_vanishes_is_stopped_by_torchrun_in_one_line(tmp_path):
-    proc, seconds = torchrun(tmp_path, "vanish-while-busy")
+    proc, _ = torchrun(tmp_path, "vanish-while-busy")
+    seconds = seconds_since(tmp_path, "vanished-at")
     assert worker_lines(proc) == ["worker: error: rank 0 stopped by torchrun (another rank ended without "
                                   "reporting); no file written"], proc.stderr
     assert "exitcode  : 9 " in proc.stderr and "exitcode  : 143 " in proc.stderr, proc.stderr
     assert not (tmp_path / "out.json").exists()
-    assert seconds < 30
-    assert not (tmp_path / "out.json").exists()
-    assert seconds < 60
+    # stopped, not done sleeping: rank 0's 50 s sleep began before the vanish; the same bound as for a
+    # rank blocked in a collective (its monitor wakes on torchrun's SIGTERM)
+    assert seconds < FAILURE_ACK_SECONDS, (seconds, proc.stderr)
 
 
 # ---------------------------------------------------------------- prediction per rank
