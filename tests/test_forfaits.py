@@ -343,9 +343,9 @@ def test_module_ends_with_the_main_guard():
     assert LIBRARY.read_text(encoding="utf-8").endswith("\n\n" + MAIN_TRAILER)
 
 
-def test_help_explains_every_flag(calc, capsys):
+def test_help_explains_every_flag(calc_program, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        calc.main(["--help"])
+        calc_program.main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for needle in ("--gpu", "--days", "3, 7, 30", "--lots", "--accepted-results", "no default",

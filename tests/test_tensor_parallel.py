@@ -2,8 +2,9 @@
 coordination between ranks (gather, failure publication, the one-line message, bounded waits) over
 gloo with real torchrun processes, and the synthetic network's prediction and comparison per rank.
 
-Tests taking `mm` run on the library and on the notebook's copy; the multi-process tests run the
-library under `python -m torch.distributed.run` (torchrun) with the gloo backend."""
+Tests taking `mm` run on the standalone file and on the notebook's cells; tests taking `launcher` run
+on the standalone file and on lab_helpers.launch.torchrun (notebooks inline no launcher code); the
+multi-process tests run the library under `python -m torch.distributed.run` (torchrun) with gloo."""
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_module
 from lab_helpers.launch.tensor_parallel import FAILURE_ACK_SECONDS
 
 GOOD_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -20,18 +21,27 @@ MEASURE_ARGV = ["-m", "lab_helpers.mesure_memoire", "measure", "--width", "64", 
 
 
 # ----------------------------------------------------------- the launcher's environment
-def test_no_launcher_names_the_exact_command(mm):
-    with pytest.raises(mm.LabError) as caught:
-        mm.launch_info(2, MEASURE_ARGV, environ={})
+@pytest.fixture(scope="module", params=("standalone", "package"))
+def launcher(request):
+    """The launcher's functions: in the generated standalone file, or in the package."""
+    if request.param == "standalone":
+        return load_module(ROOT / "lab_helpers" / "mesure_memoire.py")
+    from lab_helpers.launch import torchrun
+    return torchrun
+
+
+def test_no_launcher_names_the_exact_command(launcher):
+    with pytest.raises(launcher.LabError) as caught:
+        launcher.launch_info(2, MEASURE_ARGV, environ={})
     assert str(caught.value) == (
         "--tensor-parallel 2 runs one process per GPU, started by torchrun; run: torchrun --nproc-per-node 2 "
         "-m lab_helpers.mesure_memoire measure --width 64 --tensor-parallel 2 --output tp.json")
 
 
-def test_launcher_command_quotes_an_argv_and_keeps_a_string(mm):
-    assert mm.launcher_command(4, ["-m", "x", "--output", "a b.json"]) == \
+def test_launcher_command_quotes_an_argv_and_keeps_a_string(launcher):
+    assert launcher.launcher_command(4, ["-m", "x", "--output", "a b.json"]) == \
         "torchrun --nproc-per-node 4 -m x --output 'a b.json'"
-    assert mm.launcher_command(2, "-m x y") == "torchrun --nproc-per-node 2 -m x y"
+    assert launcher.launcher_command(2, "-m x y") == "torchrun --nproc-per-node 2 -m x y"
 
 
 def with_env(**changes):
@@ -73,40 +83,40 @@ BAD_ENVIRONMENTS = [
 
 @pytest.mark.parametrize("environ, degree, message", [c[1:] for c in BAD_ENVIRONMENTS],
                          ids=[c[0] for c in BAD_ENVIRONMENTS])
-def test_bad_launcher_environment_is_one_line(mm, environ, degree, message):
-    with pytest.raises(mm.LabError) as caught:
-        mm.launch_info(degree, MEASURE_ARGV, environ=environ)
+def test_bad_launcher_environment_is_one_line(launcher, environ, degree, message):
+    with pytest.raises(launcher.LabError) as caught:
+        launcher.launch_info(degree, MEASURE_ARGV, environ=environ)
     text = str(caught.value)
     assert text.startswith(message), text
     assert "\n" not in text
 
 
 @pytest.mark.parametrize("degree", [0, 65, "0", "-1", "abc", True, 2.0])
-def test_launch_info_refuses_a_bad_degree(mm, degree):
-    with pytest.raises(mm.LabError, match="--tensor-parallel"):
-        mm.launch_info(degree, MEASURE_ARGV, environ=GOOD_ENV)
+def test_launch_info_refuses_a_bad_degree(launcher, degree):
+    with pytest.raises(launcher.LabError, match="--tensor-parallel"):
+        launcher.launch_info(degree, MEASURE_ARGV, environ=GOOD_ENV)
 
 
-def test_more_ranks_than_gpus(mm, monkeypatch):
+def test_more_ranks_than_gpus(launcher, monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(mm.LabError) as caught:
-        mm.launch_info(2, MEASURE_ARGV, environ=GOOD_ENV)
+    with pytest.raises(launcher.LabError) as caught:
+        launcher.launch_info(2, MEASURE_ARGV, environ=GOOD_ENV)
     assert str(caught.value) == ("2 ranks on this machine (LOCAL_WORLD_SIZE) but 1 GPU(s) visible: one GPU per "
                                  "rank; lower --nproc-per-node and --tensor-parallel")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert mm.launch_info(2, MEASURE_ARGV, environ=GOOD_ENV) == mm.LaunchInfo(1, 2, 1, 2)
-    assert mm.LaunchInfo(1, 2, 1, 2).device == "cuda:1"
+    assert launcher.launch_info(2, MEASURE_ARGV, environ=GOOD_ENV) == launcher.LaunchInfo(1, 2, 1, 2)
+    assert launcher.LaunchInfo(1, 2, 1, 2).device == "cuda:1"
 
 
-def test_launcher_environment_reads_only_torchrun_variables(mm, monkeypatch):
+def test_launcher_environment_reads_only_torchrun_variables(launcher, monkeypatch):
     monkeypatch.setenv("HOME", "/home/canary")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    got = mm.launcher_environment()
+    got = launcher.launcher_environment()
     assert got["RANK"] == "0" and "HOME" not in got and "WORLD_SIZE" not in got
-    assert set(got) <= set(mm.LAUNCHER_VARIABLES) | set(mm.STORE_VARIABLES)
+    assert set(got) <= set(launcher.LAUNCHER_VARIABLES) | set(launcher.STORE_VARIABLES)
 
 
 # ---------------------------------------------------------------- ranks over gloo, under torchrun
