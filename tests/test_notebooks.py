@@ -117,6 +117,14 @@ SYNTHETIC_TABLE = {"notebooks/pic-vs-reserve.ipynb": ("lab_helpers/synthetic/mea
 def test_sync_writes_one_cell_per_module_of_the_closure(tmp_path):
     copy_checkout(tmp_path, SYNTHETIC_TABLE)
     notebook = "notebooks/pic-vs-reserve.ipynb"
+    # the copy starts from an older layout: one generated cell, of a module the table does not take
+    stale = nbformat.read(tmp_path / notebook, as_version=4)
+    first = next(i for i, cell in enumerate(stale.cells) if cell_source(cell))
+    old_cell = stale.cells[first]
+    old_cell.metadata["tags"] = [TAG_PREFIX + "lab_helpers/views/explain.py"]
+    old_cell.source = BANNER.format(source="lab_helpers/views/explain.py") + "\nOLD = 1\n"
+    stale.cells = [cell for i, cell in enumerate(stale.cells) if i == first or not cell_source(cell)]
+    nbformat.write(stale, tmp_path / notebook)
     before = nbformat.read(tmp_path / notebook, as_version=4)
     sources = notebook_sources(notebook, tmp_path, SYNTHETIC_TABLE)
     assert sources[-2:] == ["lab_helpers/synthetic/measure.py", "lab_helpers/synthetic/predict.py"]
