@@ -22,8 +22,10 @@ git-filter:
 	@if [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$$(pwd -P)" ]; then \
 	  git config filter.notebook-strip.clean "python3 -m lab_helpers.notebook_strip"; fi
 
+# PYTHONSAFEPATH=1 (Python 3.11+, inherited by every kernel): no notebook's Python puts its working
+# folder first on sys.path, so a json.py or torch.py lying beside a notebook is never imported.
 lab: venv-lab
-	$(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
+	PYTHONSAFEPATH=1 $(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 # Two workers (pytest-xdist), each file on one worker: a notebook's cells share one kernel.
 test: venv-test
