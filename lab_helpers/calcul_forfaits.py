@@ -136,7 +136,7 @@ class CommandParser(argparse.ArgumentParser):
         close = difflib.get_close_matches(name, [c for c in candidates if c.startswith("--")] or candidates,
                                           n=1, cutoff=0.6)
         suggestion = f" (did you mean {close[0]}?)" if close else ""
-        return f"unrecognized argument {name}{suggestion}"
+        return f"unrecognized arguments: {name}{suggestion}"  # argparse's own words, the flag named
 
     def first_unknown_flag(self):
         has_commands = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
