@@ -17,13 +17,18 @@ venv-test: git-filter
 
 # Git stores notebooks without outputs (see .gitattributes): a run notebook keeps its outputs in
 # the working copy only. Set in this checkout's own git config, and only when this folder is the
-# top of a git checkout (an unpacked copy inside another repository is left alone).
+# top of a git checkout (an unpacked copy inside another repository is left alone). `required`: a
+# notebook the filter cannot clean (not JSON, a NaN, a lone surrogate) is refused by `git add`, never
+# stored with its outputs or as a file no JSON reader accepts.
 git-filter:
 	@if [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$$(pwd -P)" ]; then \
-	  git config filter.notebook-strip.clean "python3 -m lab_helpers.notebook_strip"; fi
+	  git config filter.notebook-strip.clean "python3 -m lab_helpers.notebook_strip"; \
+	  git config filter.notebook-strip.required true; fi
 
+# PYTHONSAFEPATH=1 (Python 3.11+, inherited by every kernel): no notebook's Python puts its working
+# folder first on sys.path, so a json.py or torch.py lying beside a notebook is never imported.
 lab: venv-lab
-	$(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
+	PYTHONSAFEPATH=1 $(PY) -m jupyterlab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 # Two workers (pytest-xdist), each file on one worker: a notebook's cells share one kernel.
 test: venv-test

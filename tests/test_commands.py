@@ -121,3 +121,26 @@ def test_in_process_main_returns_141_when_stdout_is_gone(mm_program, monkeypatch
 
     monkeypatch.setattr(sys, "stdout", Gone())
     assert mm_program.main(["estimate", "--parameters", "10", "--bits", "8"]) == EXIT_BROKEN_PIPE
+
+
+def test_make_lab_starts_every_notebook_python_without_the_working_folder_on_its_path():
+    # -n prints the recipe without running it: JupyterLab and so every kernel it starts inherit
+    # PYTHONSAFEPATH=1, so a json.py beside a notebook is never imported in place of the real one
+    proc = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if "-m jupyterlab" in line)
+    assert line.startswith("PYTHONSAFEPATH=1 "), line
+
+
+def test_safe_path_keeps_a_json_py_of_the_working_folder_from_being_imported(tmp_path):
+    # what PYTHONSAFEPATH=1 (make lab) and -P (the sweep's children) buy: with either, a hostile
+    # json.py in the folder is not run; without, `python -m` would import it first
+    (tmp_path / "json.py").write_text("raise SystemExit('the folder json.py ran')\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "-m", "lab_helpers.grid", "--help"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert "the folder json.py ran" in plain.stderr  # the hazard is real
+    for argv, extra in (([sys.executable, "-P"], {}), ([sys.executable], {"PYTHONSAFEPATH": "1"})):
+        proc = subprocess.run([*argv, "-m", "lab_helpers.grid", "--help"], cwd=tmp_path, env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "usage: grid" in proc.stdout, proc.stderr

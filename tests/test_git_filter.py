@@ -128,7 +128,7 @@ def test_command_refuses_an_unreadable_path(path):
     proc = strip_cli(path)
     assert proc.returncode == 2 and proc.stdout == b""
     lines = proc.stderr.decode().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"notebook_strip: error: cannot read {path}: ")
+    assert len(lines) == 1 and lines[0].startswith(f"notebook_strip: error: {path}: ")
 
 
 # --- git's clean filter in a scratch repository -------------------------------------------
@@ -233,20 +233,38 @@ def test_notebooks_run_and_saved_with_outputs_leave_the_repository_clean(scratch
     committed_ids = git(repo, "rev-parse", *[f"HEAD:{path}" for path in paths]).split()
     assert git(repo, "hash-object", *paths).split() == committed_ids  # what git stores, filtered
     git(repo, "config", "--unset", "filter.notebook-strip.clean")
+    git(repo, "config", "--unset", "filter.notebook-strip.required")  # a required filter must have a command
     try:
         unfiltered = git(repo, "hash-object", *paths).split()
         assert all(a != b for a, b in zip(unfiltered, committed_ids))
     finally:
         git(repo, "config", "filter.notebook-strip.clean", FILTER_COMMAND)
+        git(repo, "config", "filter.notebook-strip.required", "true")
 
 
-def test_a_notebook_that_is_not_json_is_stored_as_it_is(scratch_repo):
+BROKEN_NOTEBOOKS = {
+    "not-json": b'{"cells": [',
+    "nan": b'{"cells": [], "metadata": {"x": NaN}}',
+    "surrogate-in-source": b'{"cells": [{"cell_type": "code", "source": "\\ud800", "metadata": {}, "outputs": []}]}',
+    "surrogate-in-key": b'{"cells": [], "metadata": {"\\udfff": 1}}',
+}
+
+
+@pytest.mark.parametrize("data", BROKEN_NOTEBOOKS.values(), ids=BROKEN_NOTEBOOKS.keys())
+def test_a_notebook_the_filter_cannot_clean_is_refused_by_git_add(scratch_repo, data):
+    # the filter is `required`: its one-line refusal makes git refuse the add, so nothing that is
+    # not a clean notebook is stored, and the working copy is left as the user wrote it
     repo = scratch_repo
+    assert git(repo, "config", "filter.notebook-strip.required").strip() == "true"
     path = repo / "notebooks" / "broken.ipynb"
-    path.write_bytes(b'{"cells": [')
+    path.write_bytes(data)
     try:
-        git(repo, "add", "notebooks/broken.ipynb")  # the filter fails, git keeps the bytes
-        assert git(repo, "show", ":notebooks/broken.ipynb") == '{"cells": ['
+        proc = subprocess.run([GIT, "add", "notebooks/broken.ipynb"], cwd=repo, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **GIT_ENV})
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("notebook_strip:")]
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "broken.ipynb" not in git(repo, "ls-files", "--stage", "notebooks")
+        assert path.read_bytes() == data
     finally:
-        git(repo, "rm", "-q", "--cached", "notebooks/broken.ipynb")
         path.unlink()

@@ -25,8 +25,11 @@ from test_hostile_forfaits import snapshot  # every path under a folder, to show
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = KIT_NAME + "/"
-TIME_LIMIT_SECONDS = 2.0
-BOMB_TIME_LIMIT_SECONDS = 10.0
+# A refusal takes well under a second on an idle machine; the bounds guard against a hang (a wait on a
+# FIFO, a retry loop) and, for the bomb, against inflating its 2 GiB (the memory check below is the
+# load-independent measure), not against slowness: generous, so a machine under load passes too.
+TIME_LIMIT_SECONDS = 60.0
+BOMB_TIME_LIMIT_SECONDS = 60.0
 BOMB_BYTES = 2 * 1024**3
 BOMB_MEMORY_LIMIT_KIB = 64 * 1024  # ru_maxrss is in KiB on Linux; verify needs ~25 MiB
 CHUNK = bytes(1024 * 1024)
@@ -114,7 +117,7 @@ def run_kit(args, cwd: Path, limit=TIME_LIMIT_SECONDS):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "lab_helpers.kit", *map(str, args)], cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - start
     assert "Traceback" not in proc.stderr, proc.stderr
     assert elapsed < limit, elapsed
@@ -395,7 +398,7 @@ def run_measured(args, cwd: Path) -> tuple:
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "lab_helpers.kit",
                            *map(str, args)], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - start
     assert elapsed < BOMB_TIME_LIMIT_SECONDS, elapsed
     assert snapshot(cwd) == before

@@ -8,14 +8,20 @@ working copy while git, the tests and the kit see the clean form.
     python3 -m lab_helpers.notebook_strip notebooks/forfaits.ipynb   # prints the clean form
 
 Standard library only, and so is everything it imports (lab_helpers/build/__init__.py is empty,
-core/cli and core/errors use the standard library): git runs it with whatever `python3` is on
-PATH, venv or not.
+core/cli, core/errors, core/files and core/text use the standard library): git runs it with whatever
+`python3` is on PATH, venv or not.
+
+A filter must never hang and never store what is not a notebook: it reads at most
+MAX_NOTEBOOK_BYTES + 1 bytes (a FIFO or a device given as the argument is refused unread), and on
+input it cannot clean (not UTF-8, not JSON, a NaN outside the outputs, a lone surrogate) it prints
+one line and exits 2, so git refuses the add; it never writes the working copy.
 """
 import json
 import sys
 
 from lab_helpers.core.cli import Command, Program, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, LabError
+from lab_helpers.core.files import display_path, read_bounded_bytes
 
 PROG = "notebook_strip"
 FILTER_NAME = "notebook-strip"
@@ -25,6 +31,9 @@ GENERATED_TAG_PREFIX = "generated-from:"
 VOLATILE_CELL_METADATA = ("collapsed", "scrolled", "execution", "ExecuteTime", "heading_collapsed")
 # Notebook metadata written by widgets and by whichever kernel ran last.
 VOLATILE_NOTEBOOK_METADATA = ("widgets", "signature")
+# A run notebook with many plots is tens of MiB; the bound keeps a wrong argument (/dev/zero on
+# stdin, a huge file) from filling memory, parsing included (a few times the size).
+MAX_NOTEBOOK_BYTES = 256 * 2**20
 
 
 class StripError(LabError):
@@ -77,19 +86,35 @@ def _normalise_view(cell_metadata: dict) -> None:
 
 
 def dumps(notebook: dict) -> str:
-    """Serialise as nbformat writes a notebook: one-space indent, sorted keys, UTF-8, final newline."""
-    return json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    """Serialise as nbformat writes a notebook: one-space indent, sorted keys, UTF-8, final newline.
+    ValueError for NaN or an infinity (no JSON reader accepts them)."""
+    return json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 def strip_bytes(data: bytes) -> bytes:
-    """Return the committed form of the notebook file content `data`; StripError if it is not one."""
+    """Return the committed form of the notebook file content `data`; StripError if it is not one
+    or if what is left after stripping is not valid JSON in UTF-8."""
     try:
         notebook = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise StripError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise StripError("JSON nested too deeply") from None
     except ValueError as exc:
-        raise StripError(f"not valid JSON ({exc})") from None
-    return dumps(strip_notebook(notebook)).encode("utf-8")
+        raise StripError(f"not valid JSON ({(str(exc).splitlines() or [''])[0][:120]})") from None
+    clean = strip_notebook(notebook)
+    # NaN and lone surrogates are accepted by Python's reader; inside an output they are dropped
+    # with it, anywhere else they would be stored as a file no JSON reader accepts
+    try:
+        return dumps(clean).encode("utf-8")
+    except RecursionError:
+        raise StripError("JSON nested too deeply") from None
+    except UnicodeEncodeError as exc:  # a ValueError too, so caught first
+        raise StripError(f"a string holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), "
+                         "which is not Unicode text; remove it from the cell or metadata") from None
+    except ValueError:
+        raise StripError("holds NaN or Infinity outside the outputs, which is not JSON; "
+                         "remove it from the cell or metadata") from None
 
 
 def committed_form(data: bytes) -> bytes:
@@ -106,16 +131,30 @@ def add_strip_arguments(parser) -> None:
                         help="the .ipynb file to read (default: standard input); it is never modified")
 
 
-def handle_strip(args) -> int:
-    source = args.notebook or "standard input"
+def read_standard_input() -> bytes:
+    """At most MAX_NOTEBOOK_BYTES of standard input (git pipes the notebook in); a terminal is refused,
+    since waiting on one would look like a hang."""
+    stream = sys.stdin.buffer if sys.stdin is not None else None
+    if stream is None:
+        raise LabError("no standard input: give a notebook file")
     try:
-        if args.notebook:
-            with open(args.notebook, "rb") as handle:
-                data = handle.read()
-        else:
-            data = sys.stdin.buffer.read()
+        if stream.isatty():
+            raise LabError("standard input is a terminal: give a notebook file or pipe one in")
+        data = stream.read(MAX_NOTEBOOK_BYTES + 1)
     except OSError as exc:
-        raise LabError(f"cannot read {source}: {exc.strerror}") from None
+        raise LabError(f"cannot read standard input: {exc.strerror or exc}") from None
+    if len(data) > MAX_NOTEBOOK_BYTES:
+        raise LabError(f"standard input: more than {MAX_NOTEBOOK_BYTES} bytes, over the limit for a notebook")
+    return data
+
+
+def handle_strip(args) -> int:
+    if args.notebook:
+        source = display_path(args.notebook)
+        data = read_bounded_bytes(args.notebook, MAX_NOTEBOOK_BYTES, "notebook", shown=source)
+    else:
+        source = "standard input"
+        data = read_standard_input()
     try:
         clean = strip_bytes(data)
     except (StripError, RecursionError) as exc:

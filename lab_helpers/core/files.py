@@ -22,13 +22,18 @@ MAX_JSON_DEPTH = 32  # a measurement nests 4 levels deep; more is not a measurem
 
 
 def display_path(path) -> str:
-    """The path as the user gave it if relative; relative to the cwd when it lies under it."""
-    text = os.fspath(path)
+    """The path as the user gave it if relative, relative to the cwd when it lies under it; a newline,
+    an escape sequence or an undecodable byte in it spelled out (\\n, \\x1b, \\udcff), so a message
+    naming it stays one line and writes nothing raw to a terminal. Ordinary paths are unchanged."""
+    return printable(_shown_path(os.fspath(path)))
+
+
+def _shown_path(text: str) -> str:
     if not os.path.isabs(text):
         return text
     try:
         relative = os.path.relpath(text)
-    except ValueError:  # another drive on Windows
+    except (ValueError, OSError):  # another drive on Windows; a cwd that was removed
         return text
     return text if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 

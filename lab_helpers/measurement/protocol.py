@@ -27,6 +27,10 @@ class PhaseError(Exception):
 def import_torch():
     try:
         import torch
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "torch":
+            raise LabError(f"torch cannot be imported ({safe_reason(exc)}); measure needs a GPU build of torch")
+        raise  # no torch at all: core.cli.run names it and the lab's Python, as for every command
     except Exception as exc:
         raise LabError(f"torch cannot be imported ({safe_reason(exc)}); measure needs a GPU build of torch")
     return torch
