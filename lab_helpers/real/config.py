@@ -140,6 +140,16 @@ def _check_values(value, key: str, depth: int = 0) -> None:
             _check_values(item, key, depth + 1)
 
 
+# numbers of a rope block the frequency computation raises to powers or divides by
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow")
+
+
+def _positive_number(value, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"config key {key!r} must be a number > 0, got {value!r}")
+
+
 def _rope_block(raw: dict) -> "dict | None":
     """The rope parameters as given (rope_parameters, or the older rope_scaling), checked to be an
     object; ConfigError naming the key otherwise."""
@@ -152,6 +162,9 @@ def _rope_block(raw: dict) -> "dict | None":
         rope_type = block.get("rope_type", block.get("type", "default"))
         if not isinstance(rope_type, str):
             raise ConfigError(f"config key {key!r}: 'rope_type' must be a string, got {rope_type!r}")
+        for inner in ROPE_NUMBERS:
+            if inner in block:
+                _positive_number(block[inner], f"{key}.{inner}")
         if rope_type in DATA_DEPENDENT_ROPES:
             raise ConfigError(f"config key {key!r}: rope_type {rope_type!r} is not covered: "
                               f"{DATA_DEPENDENT_ROPES[rope_type]} at run time, a value the meta-device "
@@ -216,8 +229,12 @@ def parse_config(raw, name: str) -> ModelShape:
                                     or not all(isinstance(t, str) for t in layer_types)):
         raise ConfigError(f"config key 'layer_types' must be a list of {layers} strings (one per layer)")
     pad = raw.get("pad_token_id")
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab):
-        raise ConfigError(f"config key 'pad_token_id' must be null or a token id from 0 to {vocab - 1}, got {pad!r}")
+    # nn.Embedding's padding_idx: a token id, or counted from the end of the vocabulary when negative
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
+        raise ConfigError(f"config key 'pad_token_id' must be null or a token id from {-vocab} to {vocab - 1}, "
+                          f"got {pad!r}")
+    if raw.get("rope_theta") is not None:
+        _positive_number(raw["rope_theta"], "rope_theta")
     _rope_block(raw)
     return ModelShape(name=name, architecture=SUPPORTED_ARCHITECTURES[model_type], model_type=model_type,
                       hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,

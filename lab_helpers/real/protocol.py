@@ -64,7 +64,12 @@ def _import_model_code(hf_config) -> None:
     if getattr(tiny, "layer_types", None):
         tiny.layer_types = tiny.layer_types[:1]
     with torch.device("meta"):
-        AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
+        try:
+            AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
+        except (TypeError, ValueError, KeyError, AssertionError, OverflowError, ZeroDivisionError) as exc:
+            # a config transformers accepted but cannot build a model of (the first build is this one)
+            raise ConfigError(f"{_key_named(exc, dict(hf_config.to_dict()))}refused by transformers as the model "
+                              f"is built: {safe_reason(exc)}") from None
 
 
 @contextlib.contextmanager
