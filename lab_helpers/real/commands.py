@@ -145,9 +145,9 @@ def check_positions(shape, args) -> "str | None":
 
 def handle_predict(args) -> int:
     shape = load_config(args.config)
-    note = check_positions(shape, args)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
+    note = check_positions(shape, args)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
     result = predict_model(shape, spec)
     if note:
@@ -199,7 +199,6 @@ def measure_command_result(args) -> "dict | None":
     """Measure as the flags say and write the file; the result to print, or None on a tensor-parallel
     rank other than 0 (rank 0 reports for every rank)."""
     shape = load_config(args.config)
-    note = check_positions(shape, args)
     degree = args.tensor_parallel
     check_tensor_parallel(shape, degree)
     if degree > 1:
@@ -210,6 +209,7 @@ def measure_command_result(args) -> "dict | None":
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=degree,
                    device=args.device or "cuda:0", seed=args.seed)
+    note = check_positions(shape, args)
     output = Path(args.output)
     if degree > 1:
         command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did

@@ -127,7 +127,7 @@ def _check_values(value, key: str, depth: int = 0) -> None:
     """Refuse what no output may hold: nesting beyond MAX_CONFIG_DEPTH, NaN or infinities (JSON has
     none; Python's reader makes them of 1e400 or NaN), whole numbers beyond MAX_CONFIG_INTEGER."""
     if depth > MAX_CONFIG_DEPTH:
-        raise ConfigError(f"config key {key!r} nests deeper than {MAX_CONFIG_DEPTH} levels")
+        raise ConfigError(f"config key {key!r} nests too deeply (more than {MAX_CONFIG_DEPTH} levels)")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key {key!r} is not a finite number")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CONFIG_INTEGER:
@@ -266,7 +266,7 @@ def _too_deep(text: str, limit: int) -> bool:
 
 
 def _refuse_constant(name):
-    raise ConfigError(f"holds {name}, which is not JSON")
+    raise ConfigError(f"holds {name}: not a finite number, and not JSON")
 
 
 def load_config(path_or_name: str) -> ModelShape:
@@ -276,14 +276,15 @@ def load_config(path_or_name: str) -> ModelShape:
     path = Path(text)
     if not text.endswith(".json") and not path.exists():
         if text not in bundled_names():
-            raise ConfigError(f"--config {printable(text)} is neither a file, a model folder nor a bundled "
-                              f"config ({', '.join(bundled_names())})")
+            raise ConfigError(f"--config {printable(text)} is neither a file nor a bundled config "
+                              f"({', '.join(bundled_names())}), nor a model folder holding a config.json")
         path, name = MODELS_DIR / f"{text}.json", text
         shown = path.name  # a bundled config: its file name, not where the lab is installed
     elif path.is_dir():
         # a Hugging Face model folder (as from_pretrained reads it): its config.json
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--config {printable(text)} is a folder without a config.json; give a config.json, "
+            raise ConfigError(f"--config {printable(text)} is a folder without a config.json, not a regular file; "
+                              f"give a config.json, "
                               f"a model folder holding one, or a bundled config ({', '.join(bundled_names())})")
         name = path.resolve().name or "config"
         path, shown = path / "config.json", str(path / "config.json")
@@ -291,11 +292,16 @@ def load_config(path_or_name: str) -> ModelShape:
         name, shown = path.stem, text  # the path as the user typed it
     shown = printable(shown)
     try:
+        if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{shown}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
+    except OSError:
+        pass  # the reader below says why it cannot read it
+    try:
         body = read_bounded_text(path, MAX_CONFIG_BYTES, "config.json", shown)
     except LabError as exc:
         raise ConfigError(str(exc)) from None
     if _too_deep(body, MAX_CONFIG_DEPTH):
-        raise ConfigError(f"config {shown} nests deeper than {MAX_CONFIG_DEPTH} levels: not a config.json")
+        raise ConfigError(f"config {shown} nests too deeply (more than {MAX_CONFIG_DEPTH} levels): not a config.json")
     try:
         data = json.loads(body, parse_constant=_refuse_constant)
     except ConfigError as exc:
