@@ -242,7 +242,7 @@ def parse_config(raw, name: str) -> ModelShape:
                       attention_bias=bias, max_positions=max_positions, raw=dict(raw))
 
 
-def _too_deep(text: str, limit: int) -> bool:
+def _config_too_deep(text: str, limit: int) -> bool:
     """Whether brackets outside strings nest beyond `limit`: checked before parsing, so that the
     parser's recursion is never reached."""
     depth, in_string, escaped = 0, False, False
@@ -300,7 +300,7 @@ def load_config(path_or_name: str) -> ModelShape:
         body = read_bounded_text(path, MAX_CONFIG_BYTES, "config.json", shown)
     except LabError as exc:
         raise ConfigError(str(exc)) from None
-    if _too_deep(body, MAX_CONFIG_DEPTH):
+    if _config_too_deep(body, MAX_CONFIG_DEPTH):
         raise ConfigError(f"config {shown} nests too deeply (more than {MAX_CONFIG_DEPTH} levels): not a config.json")
     try:
         data = json.loads(body, parse_constant=_refuse_constant)
