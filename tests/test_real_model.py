@@ -316,8 +316,13 @@ def test_compare_sets_a_measurement_beside_its_prediction(tmp_path, capsys):
     shape = load_config(str(tiny_config(tmp_path)))
     spec = RunSpec("tiny", batch=2, context=16, new_tokens=2)
     prediction = predict_model(shape, spec)
-    measured = json.loads(json.dumps(prediction))
-    measured["kind"] = "iteragpu-lab measurement"
+    # shaped as `measure` writes it (compare checks the schema first): the prediction's counters
+    phases = [{"phase": r["phase"], "index": r["index"], "passes": int(r["phase"] in ("prefill", "decode")),
+               "seconds": 0.25, "device_seconds": 0.125, **{k: r[k] for k in COUNTER_KEYS}}
+              for r in prediction["phases"]]
+    measured = {"schema_version": 1, "kind": "iteragpu-lab measurement", "environment": H200_ENVIRONMENT,
+                "configuration": {"kind": "transformers", **asdict(spec)},
+                "model": model_description(shape, "bfloat16"), "phases": phases}
     measured["phases"][2]["peak_allocated_bytes"] += 512
     path = tmp_path / "m.json"
     path.write_text(json.dumps(measured))

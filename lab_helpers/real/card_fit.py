@@ -17,7 +17,8 @@ from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_A
                                       ForfaitError, is_illustrative, load_card)
 from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait, format_money
 from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
-from lab_helpers.real.fit import MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, fits_at_degree
+from lab_helpers.real.fit import (MAX_FIT_DECODE_STEPS, MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, SearchBounded,
+                                  fits_at_degree)
 from lab_helpers.real.spec import RunSpec
 
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
@@ -124,29 +125,47 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         else:
             refused[str(degree)] = problem
     cache = {}
+    # each prediction at degree d traces d ranks of new_tokens decode steps: the search stops before
+    # the steps traced in all pass MAX_FIT_DECODE_STEPS (the first one always runs), and the GPU
+    # models left are reported as not searched
+    spent = [0]
+
+    def predict_once(degree, budget):
+        cost = degree * spec.new_tokens
+        if cache and spent[0] + cost > MAX_FIT_DECODE_STEPS:
+            raise SearchBounded
+        spent[0] += cost
+        return fits(degree, budget)
 
     def fits_once(degree, budget):
         # Under a budget at or above the run's peak reserved with no cap, the capped allocator
         # never reaches its cap, so it replays the same requests to the same peaks: one run with no
         # cap per degree answers every such budget; only budgets below its peak need their own.
         if (degree, None) not in cache:
-            cache[(degree, None)] = fits(degree, UNCAPPED_BUDGET_BYTES)
+            cache[(degree, None)] = predict_once(degree, UNCAPPED_BUDGET_BYTES)
         free = cache[(degree, None)]
         if free["fits"] and free["peak_reserved_bytes"] <= budget:
             return free
         if (degree, budget) not in cache:
-            cache[(degree, budget)] = fits(degree, budget)
+            cache[(degree, budget)] = predict_once(degree, budget)
         return cache[(degree, budget)]
 
     models = {}
     for row in rows:  # the card's own order; every model has a row for every duration
         if row["duration_days"] == days:
             models.setdefault(row["model_id"], row)
-    fitting, not_fitting = [], []
+    fitting, not_fitting, unsearched = [], [], []
     for gpu, row in models.items():
         budget = gpu_budget_bytes(row)
-        found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed
-                      if fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))["fits"]), None)
+        try:
+            found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed
+                          if fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))["fits"]), None)
+        except SearchBounded:
+            unsearched.append(gpu)
+            not_fitting.append({"gpu": gpu, "display_name": row["display_name"], "fits": False,
+                                "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget,
+                                "reason": "not searched: the search reached its bound (search_bound)"})
+            continue
         entry = {"gpu": gpu, "display_name": row["display_name"], "fits": found is not None,
                  "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget}
         if found is None:
@@ -192,6 +211,9 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
                         DERIVED: DERIVATION_RULE.format(usable=usable)},
         "criterion": CRITERION, "order": ORDER, "unit_cost_rounding": UNIT_COST_ROUNDING,
         "predictions_run": len(cache),
+        "search_bound": (f"at most {MAX_FIT_DECODE_STEPS} decode steps traced in all (ranks x new tokens per "
+                         f"prediction), degrees 1 to {max_degree}"
+                         + (f"; the bound was reached: {', '.join(unsearched)} not searched" if unsearched else "")),
         "cheapest": fitting[0]["gpu"] if fitting else None,
         "rows": fitting + not_fitting,
         "notice": NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else ""),

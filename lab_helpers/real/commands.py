@@ -17,10 +17,10 @@ from pathlib import Path
 
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
-from lab_helpers.core.files import check_new_output, display_path, read_json_file, write_new_json
+from lab_helpers.core.files import check_new_output, display_path, write_new_json
 from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
 from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, wait_for_every_rank
-from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
+from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
@@ -72,8 +72,13 @@ def _format_flag(parser) -> None:
     parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or table for people")
 
 
+BEYOND_HELP = ("predict even when --context plus --new-tokens exceeds the config's max_position_embeddings "
+               "(the output then says so); refused without it")
+
+
 def add_predict_arguments(p) -> None:
     add_run_flags(p)
+    p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
                    help=EVERY_HELP)
     _format_flag(p)
@@ -81,6 +86,7 @@ def add_predict_arguments(p) -> None:
 
 def add_measure_arguments(p) -> None:
     add_run_flags(p)
+    p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
                    help=EVERY_HELP)
     p.add_argument("--device", default=None,
@@ -126,17 +132,36 @@ def print_model_result(args, result: dict, table) -> None:
         print(json.dumps(result, indent=2))
 
 
+def check_positions(shape, args) -> "str | None":
+    """Refuse a run past the model's positions unless --beyond-positions; the note to print then."""
+    if not shape.max_positions or args.context + args.new_tokens <= shape.max_positions:
+        return None
+    what = (f"--context {args.context} plus --new-tokens {args.new_tokens} is beyond the model's "
+            f"{shape.max_positions} positions (config key 'max_position_embeddings')")
+    if not args.beyond_positions:
+        raise LabError(f"{what}; give --beyond-positions to run it anyway")
+    return f"{what}: run with --beyond-positions, the model was not trained at these positions"
+
+
 def handle_predict(args) -> int:
     shape = load_config(args.config)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
+    note = check_positions(shape, args)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
-    print_model_result(args, predict_model(shape, spec), model_prediction_table)
+    result = predict_model(shape, spec)
+    if note:
+        result["beyond_positions"] = note
+    print_model_result(args, result, model_prediction_table)
+    if note and args.format == "table":
+        print(f"note: {note}")
     return EXIT_OK
 
 
 def handle_compare(args) -> int:
-    document = read_json_file(args.measurement)  # bounded size and depth; a FIFO or folder refused
+    # bounded size and depth, a FIFO or folder refused, then every rule of the schema: a phase
+    # without its name or a counter that is a string is refused before any of it is read
+    document = read_measurement(args.measurement)
     if not isinstance(document, dict):
         raise LabError(f"{display_path(args.measurement)} is not a measurement document")
     print_model_result(args, compare_model(document), model_comparison_table)
@@ -184,6 +209,7 @@ def measure_command_result(args) -> "dict | None":
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=degree,
                    device=args.device or "cuda:0", seed=args.seed)
+    note = check_positions(shape, args)
     output = Path(args.output)
     if degree > 1:
         command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
@@ -197,6 +223,8 @@ def measure_command_result(args) -> "dict | None":
     document = measure_model(shape, spec, history)
     write_new_json(output, document)
     result = {"output": str(output), "phases": len(document["phases"])}
+    if note:
+        result["beyond_positions"] = note
     if history is not None:
         result.update(write_timeline(args.timeline, history))
     return result

@@ -7,11 +7,12 @@ never weights).
 """
 import json
 import math
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import read_bounded_text
+from lab_helpers.core.text import printable
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
@@ -34,6 +35,12 @@ MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_VOCAB = 2**20
 MAX_CONFIG_BYTES = 2**20  # a config.json is a few KiB
+MAX_CONFIG_DEPTH = 32  # published configs nest 3 levels (rope_scaling, quantization_config); more is no config
+MAX_CONFIG_INTEGER = 2**63  # transformers turns some whole numbers into floats or C integers: bound them
+# rope types whose frequencies are chosen from the positions' values during the forward pass (a
+# tensor read back to Python with .item()): on the meta device there are no values to read
+DATA_DEPENDENT_ROPES = {"dynamic": "dynamic NTK scaling recomputes its frequencies from the largest position seen",
+                        "longrope": "longrope picks its short or long factors from the largest position seen"}
 
 
 class ConfigError(LabError, ValueError):
@@ -116,14 +123,68 @@ def _flag(raw: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _check_values(value, key: str, depth: int = 0) -> None:
+    """Refuse what no output may hold: nesting beyond MAX_CONFIG_DEPTH, NaN or infinities (JSON has
+    none; Python's reader makes them of 1e400 or NaN), whole numbers beyond MAX_CONFIG_INTEGER."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"config key {key!r} nests too deeply (more than {MAX_CONFIG_DEPTH} levels)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r} is not a finite number")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CONFIG_INTEGER:
+        raise ConfigError(f"config key {key!r} is a whole number beyond {MAX_CONFIG_INTEGER}")
+    if isinstance(value, dict):
+        for inner, item in value.items():
+            _check_values(item, inner, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_values(item, key, depth + 1)
+
+
+# numbers of a rope block the frequency computation raises to powers or divides by
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow")
+
+
+def _positive_number(value, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"config key {key!r} must be a number > 0, got {value!r}")
+
+
+def _rope_block(raw: dict) -> "dict | None":
+    """The rope parameters as given (rope_parameters, or the older rope_scaling), checked to be an
+    object; ConfigError naming the key otherwise."""
+    for key in ("rope_parameters", "rope_scaling"):
+        block = raw.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ConfigError(f"config key {key!r} must be an object or null, got {type(block).__name__}")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if not isinstance(rope_type, str):
+            raise ConfigError(f"config key {key!r}: 'rope_type' must be a string, got {rope_type!r}")
+        for inner in ROPE_NUMBERS:
+            if inner in block:
+                _positive_number(block[inner], f"{key}.{inner}")
+        if rope_type in DATA_DEPENDENT_ROPES:
+            raise ConfigError(f"config key {key!r}: rope_type {rope_type!r} is not covered: "
+                              f"{DATA_DEPENDENT_ROPES[rope_type]} at run time, a value the meta-device "
+                              f"prediction cannot read")
+        return block
+    return None
+
+
 def parse_config(raw, name: str) -> ModelShape:
     """Check a config dict and return its shape; raise ConfigError naming the key."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: a config.json must hold a JSON object")
+    for key, value in raw.items():
+        _check_values(value, key)
     for key in REQUIRED_KEYS:
         if key not in raw:
             raise ConfigError(f"config lacks the required key {key!r}")
     model_type = raw["model_type"]
+    if not isinstance(model_type, str):
+        raise ConfigError(f"config key 'model_type' must be a string, got {type(model_type).__name__}")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"config key 'model_type' names an unsupported architecture {model_type!r}; "
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -163,49 +224,96 @@ def parse_config(raw, name: str) -> ModelShape:
     for key in ("hidden_act",):
         if raw.get(key, "silu") != "silu":
             raise ConfigError(f"config key {key!r} must be 'silu', got {raw[key]!r}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ConfigError(f"config key 'layer_types' must be a list of {layers} strings (one per layer)")
+    pad = raw.get("pad_token_id")
+    # nn.Embedding's padding_idx: a token id, or counted from the end of the vocabulary when negative
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
+        raise ConfigError(f"config key 'pad_token_id' must be null or a token id from {-vocab} to {vocab - 1}, "
+                          f"got {pad!r}")
+    if raw.get("rope_theta") is not None:
+        _positive_number(raw["rope_theta"], "rope_theta")
+    _rope_block(raw)
     return ModelShape(name=name, architecture=SUPPORTED_ARCHITECTURES[model_type], model_type=model_type,
                       hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
                       kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, tied_embeddings=tied,
                       attention_bias=bias, max_positions=max_positions, raw=dict(raw))
 
 
+def _config_too_deep(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest beyond `limit`: checked before parsing, so that the
+    parser's recursion is never reached."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def _refuse_constant(name):
+    raise ConfigError(f"holds {name}: not a finite number, and not JSON")
+
+
 def load_config(path_or_name: str) -> ModelShape:
-    """Read a config.json path, or a bundled config NAME, and check it."""
+    """Read a config.json path, a Hugging Face model folder holding one, or a bundled config NAME,
+    and check it."""
     text = str(path_or_name)
     path = Path(text)
     if not text.endswith(".json") and not path.exists():
         if text not in bundled_names():
-            raise ConfigError(f"--config {text!r} is neither a file nor a bundled config "
-                              f"({', '.join(bundled_names())})")
+            raise ConfigError(f"--config {printable(text)} is neither a file nor a bundled config "
+                              f"({', '.join(bundled_names())}), nor a model folder holding a config.json")
         path, name = MODELS_DIR / f"{text}.json", text
         shown = path.name  # a bundled config: its file name, not where the lab is installed
+    elif path.is_dir():
+        # a Hugging Face model folder (as from_pretrained reads it): its config.json
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--config {printable(text)} is a folder without a config.json, not a regular file; "
+                              f"give a config.json, "
+                              f"a model folder holding one, or a bundled config ({', '.join(bundled_names())})")
+        name = path.resolve().name or "config"
+        path, shown = path / "config.json", str(path / "config.json")
     else:
         name, shown = path.stem, text  # the path as the user typed it
+    shown = printable(shown)
     try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read; a folder is no config
-            raise ConfigError(f"config {shown} is not a regular file")
-        if info.st_size > MAX_CONFIG_BYTES:
+        if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{shown}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ConfigError:
-        raise
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config {shown}: {type(exc).__name__}") from None
-    except ValueError as exc:
-        raise ConfigError(f"config {shown} is not JSON: {exc}") from None
-    except RecursionError:  # nesting deeper than the parser's stack: no config nests like that
+    except OSError:
+        pass  # the reader below says why it cannot read it
+    try:
+        body = read_bounded_text(path, MAX_CONFIG_BYTES, "config.json", shown)
+    except LabError as exc:
+        raise ConfigError(str(exc)) from None
+    if _config_too_deep(body, MAX_CONFIG_DEPTH):
+        raise ConfigError(f"config {shown} nests too deeply (more than {MAX_CONFIG_DEPTH} levels): not a config.json")
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except ConfigError as exc:
+        raise ConfigError(f"config {shown} {exc}") from None
+    except RecursionError:  # unreachable after the depth check; kept so no traceback can leak
         raise ConfigError(f"config {shown} nests too deeply to be a config.json") from None
+    except ValueError as exc:
+        first = (str(exc).splitlines() or ["invalid"])[0][:160]
+        raise ConfigError(f"config {shown} is not JSON: {first}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {shown} must hold a JSON object")
-    _check_finite(data, shown)
     return parse_config(data, name)
-
-
-def _check_finite(data: dict, name: str) -> None:
-    for key, value in data.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"config key {key!r} in {name} is not a finite number")
 
 
 def check_tensor_parallel(shape: ModelShape, degree) -> None:

@@ -52,6 +52,10 @@ def usable_memory_bytes(device: str = "cuda:0") -> int:
     """The largest reserved a fresh real-model measuring process can reach on `device`, measured now
     in a child process; LabError when no GPU answers."""
     index = parse_device(device)
+    import torch
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        # the probe's own failure would name torch internals (a build without CUDA has no _cuda_setDevice)
+        raise LabError(f"no GPU visible as {device}: give --gpu or --memory-bytes")
     answer = usable_memory(index, command=[sys.executable, "-c", USABLE_PROBE, str(index)])
     if not isinstance(answer["usable_memory_bytes"], int):
         raise LabError(f"cannot measure the usable memory of {device} "
@@ -142,22 +146,43 @@ def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: 
             "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"], "reason": None}
 
 
-def _largest(fits, high: int) -> int:
-    """Largest v in [1, high] with fits(v), assuming fits is monotone; 0 if none."""
-    if not fits(1):
-        return 0
-    low = 1
-    probe = 2
-    while probe <= high and fits(probe):
-        low, probe = probe, probe * 2
-    top = min(probe, high + 1)  # fits(top) is False, or top is beyond the bound
-    while top - low > 1:
-        middle = (low + top) // 2
-        if fits(middle):
-            low = middle
-        else:
-            top = middle
-    return low
+# Every search is bounded by the model's limits (positions, MAX_TOKENS) and by a number of
+# predictions: each one traces new_tokens decode steps, so the bound shrinks as they grow. Past
+# it the search stops, the largest size found so far is kept (a lower bound) and the output says so.
+MAX_FIT_PREDICTIONS = 64
+MAX_FIT_DECODE_STEPS = 2**15
+
+
+def prediction_limit(new_tokens: int) -> int:
+    """Predictions one fit may run: MAX_FIT_PREDICTIONS, fewer when each traces many decode steps."""
+    return max(2, min(MAX_FIT_PREDICTIONS, MAX_FIT_DECODE_STEPS // max(new_tokens, 1)))
+
+
+class SearchBounded(Exception):
+    """The search reached its number of predictions (internal: caught where the search runs)."""
+
+
+def _largest(fits, high: int) -> tuple:
+    """(largest v in [1, high] with fits(v), assuming fits is monotone, 0 if none; whether the
+    search stopped at its bound first, v then being a lower bound)."""
+    low = 0
+    try:
+        if not fits(1):
+            return 0, False
+        low = 1
+        probe = 2
+        while probe <= high and fits(probe):
+            low, probe = probe, probe * 2
+        top = min(probe, high + 1)  # fits(top) is False, or top is beyond the bound
+        while top - low > 1:
+            middle = (low + top) // 2
+            if fits(middle):
+                low = middle
+            else:
+                top = middle
+    except SearchBounded:
+        return low, True
+    return low, False
 
 
 def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
@@ -188,8 +213,12 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     context_limit = MAX_MODEL_CONTEXT - new_tokens
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
+    if context is not None and context > context_limit:  # before any prediction
+        raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
+                       f"minus {new_tokens} new tokens")
     from lab_helpers.real.tracer import OutOfMemory
     cache, predictions = {}, []
+    limit = prediction_limit(new_tokens)
     try:
         loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh)
     except OutOfMemory:
@@ -206,6 +235,8 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
             if loaded is None or not may_fit(b, t):
                 cache[(b, t)] = {"fits": False}
             else:
+                if len(predictions) >= limit:
+                    raise SearchBounded
                 cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
                 predictions.append((b, t))
             if progress:
@@ -226,19 +257,29 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
         result.update({"batch": batch, "context": context, "fits": point["fits"],
                        "peak_reserved_bytes": point.get("peak_reserved_bytes"),
                        "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
+    bounded = []
     if batch is not None:
         result["batch"] = batch  # the table names it
-        result["largest_context_at_batch"] = _largest(lambda t: fits(batch, t), context_limit)
+        result["largest_context_at_batch"], stopped = _largest(lambda t: fits(batch, t), context_limit)
         result["context_bound"] = context_limit
+        if stopped:
+            bounded.append("largest_context_at_batch")
     if context is not None:
-        if context > context_limit:
-            raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
-                           f"minus {new_tokens} new tokens")
         high = min(MAX_MODEL_BATCH, MAX_TOKENS // (context + new_tokens))
         result["context"] = context
-        result["largest_batch_at_context"] = _largest(lambda b: fits(b, context), high)
+        result["largest_batch_at_context"], stopped = _largest(lambda b: fits(b, context), high)
+        result["batch_bound"] = high
+        if stopped:
+            bounded.append("largest_batch_at_context")
     result["weights_fit"] = loaded is not None
     result["predictions_run"] = len(predictions)
+    result["search_bound"] = (
+        f"at most {limit} predictions (MAX_FIT_PREDICTIONS {MAX_FIT_PREDICTIONS}, at most "
+        f"{MAX_FIT_DECODE_STEPS} decode steps traced in all), sizes up to the bounds above (the model's "
+        f"positions, batch x (context + new tokens) <= {MAX_TOKENS})")
+    if bounded:
+        result["search_bound"] += (f"; the bound was reached: {' and '.join(bounded)} "
+                                   f"{'is a lower bound' if len(bounded) == 1 else 'are lower bounds'}")
     return result
 
 

@@ -8,12 +8,12 @@ one GPU (lab_helpers/real/parallel.py measures one rank of a tensor-parallel run
 import contextlib
 
 from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, safe_reason
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
-from lab_helpers.real.config import ModelShape
+from lab_helpers.real.config import ConfigError, ModelShape
 from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, run_configuration
 
 def transformers_config(shape: ModelShape):
@@ -21,9 +21,32 @@ def transformers_config(shape: ModelShape):
     from transformers import AutoConfig
     raw = {k: v for k, v in shape.raw.items() if k not in ("model_type", "architectures", "auto_map",
                                                            "torch_dtype", "dtype", "transformers_version")}
-    config = AutoConfig.for_model(shape.model_type, **raw)
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for key in ("rope_parameters", "rope_scaling"):  # checked before the library warns of it on stderr
+        rope = raw.get(key) if isinstance(raw.get(key), dict) else {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"config key {key!r}: unknown rope_type {rope_type!r}; transformers knows "
+                              f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    try:
+        config = AutoConfig.for_model(shape.model_type, **raw)
+    except (TypeError, ValueError, KeyError, OverflowError, AttributeError, StrictDataclassError) as exc:
+        # transformers validates its fields (types, rope keys, layer_types) as the config is built
+        raise ConfigError(f"{_key_named(exc, raw)}refused by transformers: {safe_reason(exc)}") from None
     config._attn_implementation = "sdpa"
     return config
+
+
+def _key_named(exc: BaseException, raw: dict) -> str:
+    """'config key K ' for the first key of `raw` the library's message names, else 'config '."""
+    text = str(exc)
+    for key in sorted(raw, key=len, reverse=True):
+        if f"'{key}'" in text or f"`{key}`" in text:
+            return f"config key {key!r} "
+    if "rope" in text:
+        return "config key 'rope_parameters' "
+    return "config "
 
 
 def _import_model_code(hf_config) -> None:
@@ -41,7 +64,12 @@ def _import_model_code(hf_config) -> None:
     if getattr(tiny, "layer_types", None):
         tiny.layer_types = tiny.layer_types[:1]
     with torch.device("meta"):
-        AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
+        try:
+            AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
+        except (TypeError, ValueError, KeyError, AssertionError, OverflowError, ZeroDivisionError) as exc:
+            # a config transformers accepted but cannot build a model of (the first build is this one)
+            raise ConfigError(f"{_key_named(exc, dict(hf_config.to_dict()))}refused by transformers as the model "
+                              f"is built: {safe_reason(exc)}") from None
 
 
 @contextlib.contextmanager
