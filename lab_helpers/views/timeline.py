@@ -207,6 +207,8 @@ def check_timeline(timeline) -> dict:
 
 def load_timeline(path, max_bytes: int = MAX_FILE_BYTES, check: bool = True) -> dict:
     """Read a timeline file and validate it (unless `check` is False: ``plot_timeline`` checks it)."""
+    if type(max_bytes) is not int or not 1 <= max_bytes <= MAX_FILE_BYTES_LIMIT:
+        raise TimelineError(f"max_bytes must be a whole number from 1 to {MAX_FILE_BYTES_LIMIT}")
     timeline = read_json_file(path, max_bytes)
     if not check:
         return timeline
