@@ -324,7 +324,7 @@ BOUNDED = [
     ("a-million-character-name", setting("phases", 0, "name", "x" * 1_000_000), "names cut"),
     ("5000-phases", many_phases(5000), "4960 of 5000 phases"),
     ("2000-labels", many_labels(2000), "1976 of 2000 labels"),
-    ("times-near-2**62", lambda d: d["events"].update(time_us=[t * 2**58 for t in d["events"]["time_us"]]), None),
+    ("times-near-2**62", lambda d: d["events"].update(time_us=[t * 2**56 for t in d["events"]["time_us"]]), None),
 ]
 
 
@@ -383,7 +383,7 @@ def test_mathtext_is_drawn_as_typed():
 
 def test_runs_plot_draws_a_file_named_in_mathtext(tmp_path):
     name = r"$\frac{$.json"
-    (tmp_path / name).write_text(json.dumps(measurement("h100")))
+    (tmp_path / name).write_text(json.dumps(measurement("mesures-h100")))
     done = run_program("runs", [name, "--plot", "o.png"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

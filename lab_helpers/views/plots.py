@@ -29,10 +29,11 @@ def drawn_text(text, limit: int = MAX_DRAWN_CHARS) -> str:
 
 
 def plain_texts(texts) -> None:
-    """Draw these Text artists without LaTeX, whatever the user's matplotlibrc says (text.usetex):
+    """Draw these Text artists (or Ticks' labels) without LaTeX, whatever the user's matplotlibrc says (text.usetex):
     LaTeX would run on a user's text."""
     for text in texts:
-        text.set_usetex(False)
+        for part in (text.label1, text.label2) if hasattr(text, "label1") else (text,):  # a Tick's labels
+            part.set_usetex(False)
 
 
 def _pyplot():
