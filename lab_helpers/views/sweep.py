@@ -315,8 +315,8 @@ def read_summary(path) -> list:
     shown = os.fspath(path)
     try:  # bounded: a summary holds one line per point
         text = read_bounded_text(path, MAX_SUMMARY_BYTES, "sweep summary")
-    except LabError as exc:
-        raise SweepError(str(exc)) from None
+    except LabError as exc:  # the message starts with the path
+        raise SweepError(f"cannot read {exc}") from None
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if tuple(reader.fieldnames or ()) != SUMMARY_COLUMNS:
