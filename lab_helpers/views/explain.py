@@ -14,7 +14,8 @@ from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SM
 from lab_helpers.core.files import read_bounded_bytes, read_json_file
 from lab_helpers.core.numbers import MIB
 from lab_helpers.measurement.schema import SCHEMA_VERSION
-from lab_helpers.views.timeline import MAX_FILE_BYTES, TimelineError
+from lab_helpers.core.text import printable
+from lab_helpers.views.timeline import MAX_FILE_BYTES, MAX_FILE_BYTES_LIMIT, TimelineError
 
 # Expandable segments map device memory in pages of the pool's segment size (c10:
 # kSmallBuffer 2 MiB for the small pool, kLargeBuffer 20 MiB for the large one).
@@ -51,7 +52,106 @@ def read_bounded(path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
     return data
 
 
+# What a pickle may make the unpickler do, checked on its opcodes before it runs: the unpickler's
+# own work is linear in them except where a dict key or set item is a container (hashing a tuple
+# built from memo references doubles at each level: a few hundred bytes that never finish), and a
+# memo index sizes the memo's table (an index of 2**32 asks for 32 GiB).
+MAX_PICKLE_STACK = 100_000  # torch's pickler batches 1000 items per APPENDS or SETITEMS
+MAX_PICKLE_OBJECTS = 50_000_000
+_ATOM, _CONTAINER = "atom", "container"
+_ATOM_OPCODES = frozenset((
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+    "BINUNICODE8", "NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT"))
+_EMPTY_OPCODES = frozenset(("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "EMPTY_TUPLE"))
+# these look a class up by name: find_class refuses it by name, so the scan stops there
+_CLASS_OPCODES = frozenset(("GLOBAL", "STACK_GLOBAL", "INST", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"))
+
+
+def check_pickle_work(data: bytes, path) -> None:
+    """Refuse, before unpickling, a pickle whose loading would not be bounded by its size: a
+    container as a dict key or set item, a memo index past the objects made so far, a stack or an
+    object count past its bound, or an opcode that builds anything but plain data."""
+    import pickletools
+    stack, marks, memo, made = [], [], {}, 0
+
+    def pop_mark():
+        if not marks:
+            raise TimelineError(f"{path} is not a readable pickle (no MARK)")
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    def keys_plain(keys, what):
+        if any(key is not _ATOM for key in keys):
+            raise TimelineError(f"{path}: a pickled {what} holds a container as a key or item; "
+                                "torch's snapshot never does (refused: hashing it is unbounded)")
+
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            made += 1
+            if made > MAX_PICKLE_OBJECTS or len(stack) > MAX_PICKLE_STACK:
+                raise TimelineError(f"{path}: the pickle makes more than {MAX_PICKLE_STACK} pending items or "
+                                    f"{MAX_PICKLE_OBJECTS} objects")
+            if name in _ATOM_OPCODES:
+                stack.append(_ATOM)
+            elif name in _EMPTY_OPCODES:
+                stack.append(_CONTAINER)
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name in ("LIST", "TUPLE"):
+                pop_mark()
+                stack.append(_CONTAINER)
+            elif name in ("DICT", "SETITEMS"):
+                items = pop_mark()
+                keys_plain(items[0::2], "dict")
+                if name == "DICT":
+                    stack.append(_CONTAINER)
+            elif name in ("FROZENSET", "ADDITEMS"):
+                keys_plain(pop_mark(), "set")
+                if name == "FROZENSET":
+                    stack.append(_CONTAINER)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                count = int(name[-1])
+                if len(stack) < count:
+                    raise TimelineError(f"{path} is not a readable pickle (stack underflow)")
+                del stack[len(stack) - count:]
+                stack.append(_CONTAINER)
+            elif name == "APPEND":
+                stack[-1:] = []
+            elif name == "APPENDS":
+                pop_mark()
+            elif name == "SETITEM":
+                keys_plain(stack[-2:-1], "dict")
+                stack[-2:] = []
+            elif name == "POP":
+                if marks and marks[-1] == len(stack):
+                    marks.pop()  # POP of a MARK on the stack's top
+                else:
+                    stack[-1:] = []
+            elif name == "POP_MARK":
+                pop_mark()
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else _ATOM)
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                index = len(memo) if name == "MEMOIZE" else int(arg)
+                if index > made:  # the unpickler sizes its memo table by the largest index
+                    raise TimelineError(f"{path}: a memo index ({index}) past the objects made so far")
+                memo[index] = stack[-1] if stack else _ATOM
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(int(arg), _ATOM))
+            elif name in _CLASS_OPCODES or name == "STOP":
+                return
+            elif name not in ("PROTO", "FRAME"):
+                raise TimelineError(f"{path}: refusing the pickle opcode {name}: only plain data is accepted")
+    except ValueError as exc:
+        raise TimelineError(f"{path} is not a readable pickle ({printable(str(exc))[:80]})") from None
+
+
 def _parse_pickle(data: bytes, path):
+    check_pickle_work(data, path)
     try:
         return _DataOnlyUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
@@ -69,6 +169,7 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
     Returns ``{"snapshot": torch-format dict, "failed_request_bytes": int|None,
     "device_free_bytes": int|None, "process_limit_bytes": int|None}``. Pickles are loaded with classes refused.
     """
+    check_max_file_bytes(max_bytes)
     data = read_bounded(path, max_bytes)
     if data[:1] == PICKLE_PROTO:
         document = _parse_pickle(data, path)
@@ -87,8 +188,65 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
         for key in ("failed_request_bytes", "device_free_bytes", "process_limit_bytes"):
             if wrapped[key] is not None and not is_byte_count(wrapped[key]):
                 raise TimelineError(f"{path}: {key} must be a whole number of bytes >= 0")
+    check_snapshot_shape(wrapped["snapshot"], path)
     check_allocator_snapshot(wrapped["snapshot"], path)
     return wrapped
+
+
+_INT_OR_NONE = (int, type(None))
+_SEGMENT_FIELDS = (("device", int), ("stream", _INT_OR_NONE), ("segment_type", str))
+_ENTRY_FIELDS = (("addr", int), ("stream", _INT_OR_NONE), ("time_us", int), ("device_free", _INT_OR_NONE),
+                 ("action", str))
+
+
+def check_snapshot_shape(snapshot, where) -> None:
+    """Refuse a snapshot whose parts the lab reads are shared (one object at two places: a pickle's
+    memo makes a few bytes stand for millions of blocks) or of a type a comparison or a message
+    could not handle in bounded time (a nested list as a stream); check_allocator_snapshot checks
+    the rest. Torch's snapshots hold fresh dicts with numbers and strings there."""
+    if not isinstance(snapshot, dict):
+        raise TimelineError(f"{where}: the snapshot is not a dict")
+    seen = set()
+
+    def fresh(value, what):
+        if isinstance(value, (dict, list)):
+            if id(value) in seen:
+                raise TimelineError(f"{where}: {what} is the same object as an earlier part (a pickle memo "
+                                    "reference); torch's snapshots never share one")
+            seen.add(id(value))
+
+    def typed(item, fields, what):
+        for key, kind in fields:
+            value = item.get(key)
+            if key in item and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise TimelineError(f"{where}: {what} '{key}' is a {type(value).__name__}, not a "
+                                    f"{'whole number' if kind is not str else 'string'}")
+
+    segments, traces = snapshot.get("segments"), snapshot.get("device_traces", [])
+    for name, parts in (("segments", segments), ("device_traces", traces)):
+        fresh(parts, f"'{name}'")
+    for i, segment in enumerate(segments if isinstance(segments, list) else []):
+        fresh(segment, f"segment {i}")
+        if isinstance(segment, dict):
+            typed(segment, _SEGMENT_FIELDS, f"segment {i}")
+            blocks = segment.get("blocks")
+            fresh(blocks, f"segment {i} 'blocks'")
+            for j, block in enumerate(blocks if isinstance(blocks, list) else []):
+                fresh(block, f"segment {i} block {j}")
+                if isinstance(block, dict):
+                    typed(block, (("state", str),), f"segment {i} block {j}")
+    for d, trace in enumerate(traces if isinstance(traces, list) else []):
+        fresh(trace, f"device {d} trace")
+        for k, entry in enumerate(trace if isinstance(trace, list) else []):
+            fresh(entry, f"device {d} trace entry {k}")
+            if isinstance(entry, dict):
+                typed(entry, _ENTRY_FIELDS, f"device {d} trace entry {k}")
+
+
+def check_max_file_bytes(max_bytes) -> None:
+    """Refuse a size bound that is not a whole number from 1 to MAX_FILE_BYTES_LIMIT."""
+    if type(max_bytes) is not int or not 1 <= max_bytes <= MAX_FILE_BYTES_LIMIT:
+        raise TimelineError(f"max_bytes must be a whole number from 1 to {MAX_FILE_BYTES_LIMIT}")
 
 
 # ------------------------------------------------------------------ out-of-memory explainer
@@ -112,6 +270,7 @@ def explain_snapshot(snapshot: dict, failed_request_bytes=None, device_free_byte
     of the device's free bytes and the room under the cap. A request can only use free blocks of
     its own pool (small: up to 1 MiB; large) and stream.
     """
+    check_snapshot_shape(snapshot, "snapshot")
     check_allocator_snapshot(snapshot, "snapshot")
     for name, value in (("failed_request_bytes", failed_request_bytes), ("device_free_bytes", device_free_bytes),
                         ("process_limit_bytes", process_limit_bytes)):

@@ -7,11 +7,33 @@ import os
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import MIB
+from lab_helpers.core.text import printable
 from lab_helpers.measurement.schema import COUNTERS, read_measurement
 
 MISSING_PACKAGE = "{name} is not installed: run make lab (or pip install -r requirements.txt)"
 POINTS = ("baseline", "end", "peak")
 POINT_COLOURS = {"baseline": "#b0b0b0", "end": "#4c72b0", "peak": "#dd8452"}
+
+
+MAX_DRAWN_CHARS = 40  # a longer name cannot be read on a plot, and a million characters hang the layout
+
+
+def drawn_text(text, limit: int = MAX_DRAWN_CHARS) -> str:
+    """A user's text as a plot may draw it: control characters escaped, at most `limit` characters
+    (cut with '…'), and every '$' escaped, so that matplotlib never parses it as mathtext (a
+    '$\\frac{$' in a phase name would make the whole plot fail)."""
+    text = printable(str(text)[:limit + 1])
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text.replace("$", r"\$")
+
+
+def plain_texts(texts) -> None:
+    """Draw these Text artists (or Ticks' labels) without LaTeX, whatever the user's matplotlibrc says (text.usetex):
+    LaTeX would run on a user's text."""
+    for text in texts:
+        for part in (text.label1, text.label2) if hasattr(text, "label1") else (text,):  # a Tick's labels
+            part.set_usetex(False)
 
 
 def _pyplot():
@@ -80,7 +102,7 @@ def plot_phases(document, axes=None):
     phases = _document(document)["phases"]
     if axes is None:
         _, axes = _pyplot().subplots(1, 2, figsize=(13, 4.5), sharey=True)
-    labels = phase_labels(phases)
+    labels = [drawn_text(label) for label in phase_labels(phases)]
     width = 0.27
     for ax, counter in zip(axes, COUNTERS):
         for k, point in enumerate(POINTS):
@@ -89,7 +111,7 @@ def plot_phases(document, axes=None):
             bars = ax.bar(xs, values, width, label=point, color=POINT_COLOURS[point])
             if point == "peak":  # small phases are invisible beside the workspace: print them
                 ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
-        ax.set_xticks(range(len(phases)), labels, rotation=30, ha="right")
+        plain_texts(ax.set_xticks(range(len(phases)), labels, rotation=30, ha="right"))
         ax.set_title(f"{counter} (this process's PyTorch allocator)")
         ax.set_ylabel("MiB")
         ax.legend(title="read at (peak labelled in MiB)")
@@ -105,7 +127,7 @@ def plot_prediction(comparison, ax=None):
     if ax is None:
         _, ax = _pyplot().subplots(figsize=(12, 4.5))
     rows = comparison["rows"]
-    labels = phase_labels(rows)
+    labels = [drawn_text(label) for label in phase_labels(rows)]
     series = [("measured", "allocated", "#4c72b0"), ("predicted", "allocated", "#9ecae1"),
               ("measured", "reserved", "#dd8452"), ("predicted", "reserved", "#fdd0a2")]
     width = 0.2
@@ -118,7 +140,7 @@ def plot_prediction(comparison, ax=None):
         top = max(r[f"{source}_peak_{counter}_bytes"] for source, counter, _ in series) / MIB
         ax.annotate("exact" if diff == 0 else f"{diff:+,} B", (i, top), xytext=(0, 3),
                     textcoords="offset points", ha="center", fontsize=8)
-    ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right")
+    plain_texts(ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right"))
     ax.set_ylabel("MiB")
     ax.set_title("Predicted vs measured peaks (above each phase: measured - predicted peak allocated)")
     ax.margins(y=0.12)
@@ -176,7 +198,7 @@ def plot_bytes_by_kind(prediction_or_labelled, measurement=None, ax=None):
     bottom = [0] * len(data["labels"])
     for kind in data["kinds"]:
         values = [v / MIB for v in data["by_kind"][kind]]
-        ax.bar([x - width / 2 for x in xs], values, width, bottom=bottom, label=f"allocated: {kind}",
+        ax.bar([x - width / 2 for x in xs], values, width, bottom=bottom, label=f"allocated: {drawn_text(kind)}",
                color=KIND_COLOURS.get(kind))
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.bar([x + width / 2 for x in xs], [r / MIB for r in data["reserved"]], width, label="reserved",
@@ -186,11 +208,12 @@ def plot_bytes_by_kind(prediction_or_labelled, measurement=None, ax=None):
                 markersize=22, markeredgewidth=2.5, linestyle="none", label="measured end allocated")
         ax.plot([x + width / 2 for x in xs], [p["end_reserved_bytes"] / MIB for p in measured], "kx",
                 markersize=9, markeredgewidth=2, linestyle="none", label="measured end reserved")
-    ax.set_xticks(list(xs), data["labels"], rotation=30, ha="right")
+    ax.set_xticks(list(xs), [drawn_text(label) for label in data["labels"]], rotation=30, ha="right")
     ax.set_ylabel("MiB")
     ax.set_title("Where the bytes go at each phase's end: predicted allocated by kind, beside reserved"
                  + ("; measured totals as markers" if measured is not None else ""))
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    plain_texts(ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8).get_texts())
+    plain_texts(ax.get_xticklabels())
     ax.grid(axis="y", alpha=0.3)
     ax.figure.tight_layout()
     return ax

@@ -13,7 +13,7 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.core.files import csv_text, write_new_bytes, write_new_text
 from lab_helpers.core.numbers import MIB
 from lab_helpers.measurement.schema import read_measurement
-from lab_helpers.views.plots import MISSING_PACKAGE
+from lab_helpers.views.plots import MISSING_PACKAGE, drawn_text, plain_texts
 
 pd = None  # pandas, imported on first use: reading and checking the files needs only the standard library
 
@@ -102,11 +102,12 @@ def plot_runs(df: "pd.DataFrame", counter: str = "peak_allocated_bytes", ax=None
     width = 0.8 / max(len(table.columns), 1)
     for i, run in enumerate(table.columns):
         positions = [x + (i - (len(table.columns) - 1) / 2) * width for x in range(len(table))]
-        bars = ax.bar(positions, table[run].astype("float64") / MIB, width, label=run)
+        bars = ax.bar(positions, table[run].astype("float64") / MIB, width, label=drawn_text(run))
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks(range(len(table)), table.index, rotation=30, ha="right")
+    plain_texts(ax.set_xticks(range(len(table)), [drawn_text(label) for label in table.index], rotation=30,
+                              ha="right"))
     ax.set(ylabel=f"{counter.replace('_bytes', '').replace('_', ' ')} (MiB)", title="Runs side by side, per phase")
-    ax.legend()
+    plain_texts(ax.legend().get_texts())
     return ax
 
 

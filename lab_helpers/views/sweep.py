@@ -11,6 +11,7 @@ bytes exceed the budget (default: the device's usable memory), at the first poin
 out of memory, fails or exceeds its time limit. Writes one measurement file per point and
 summary.csv into a new folder.
 """
+import io
 import json
 import math
 import os
@@ -26,12 +27,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
-from lab_helpers.core.files import csv_text, display_path, read_json_file, replace_text
+from lab_helpers.core.files import csv_text, display_path, read_bounded_text, read_json_file, replace_text
 from lab_helpers.core.numbers import GIB, MIB
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.measurement.schema import MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_WIDTH, read_measurement
 from lab_helpers.synthetic.network import MeasureConfig
 from lab_helpers.synthetic.predict import predict
+from lab_helpers.views.plots import drawn_text, plain_texts
 
 DIMENSIONS = ("batch", "context", "width", "hidden")
 SIZE_LIMITS = {"batch": MAX_BATCH, "context": MAX_CONTEXT, "width": MAX_WIDTH, "hidden": MAX_HIDDEN}
@@ -303,18 +305,24 @@ def write_summary(rows, folder) -> Path:
     return path
 
 
+MAX_SUMMARY_BYTES = 16 * 2**20  # a summary holds one short line per point
+
+
 def read_summary(path) -> list:
     """Read a summary.csv back into rows, byte counts as int (None where not measured); raise SweepError
     naming the file and line of the first fault."""
     import csv
     shown = os.fspath(path)
+    try:  # bounded: a summary holds one line per point
+        text = read_bounded_text(path, MAX_SUMMARY_BYTES, "sweep summary")
+    except LabError as exc:  # the message starts with the path
+        raise SweepError(f"cannot read {exc}") from None
     try:
-        with open(path, newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            if tuple(reader.fieldnames or ()) != SUMMARY_COLUMNS:
-                raise SweepError(f"{shown}: line 1: the header is not {','.join(SUMMARY_COLUMNS)}")
-            rows = [(reader.line_num, row) for row in reader]
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if tuple(reader.fieldnames or ()) != SUMMARY_COLUMNS:
+            raise SweepError(f"{shown}: line 1: the header is not {','.join(SUMMARY_COLUMNS)}")
+        rows = [(reader.line_num, row) for row in reader]
+    except csv.Error as exc:
         raise SweepError(f"cannot read {shown}: {one_line_text(getattr(exc, 'strerror', None) or exc)}") from None
     for line, row in rows:
         if None in row or None in row.values():
@@ -495,13 +503,14 @@ def plot_sweep(summary, ax=None):
     if failed:
         ax.plot([int(r["value"]) for r in failed], [r["predicted_peak_reserved_bytes"] / MIB for r in failed],
                 "rv", linestyle="none", label="did not fit (oom / over budget)")
-    dimension = rows[0]["dimension"] if rows else "value"
+    dimension = drawn_text(rows[0]["dimension"]) if rows else "value"
     ax.set(xlabel=dimension, ylabel="MiB",
            title=f"Peak memory against {dimension} (x on a dot: predicted = measured)")
     if len(rows) > 1 and int(rows[-1]["value"]) >= 8 * int(rows[0]["value"]):
         ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    plain_texts([ax.title, ax.xaxis.label])
     return ax
 
 

@@ -21,10 +21,21 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.core.files import read_json_file, write_new_bytes
 from lab_helpers.core.numbers import MIB
 from lab_helpers.measurement.schema import SCHEMA_VERSION
+from lab_helpers.views.plots import MAX_DRAWN_CHARS, drawn_text, plain_texts
 
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(TIMELINE_ACTIONS))
 # Files are read whole into memory before parsing; a larger file is refused unread.
 MAX_FILE_BYTES = 256 * MIB
+# --max-file-bytes at most: the reader asks the system for that many bytes at once, and a parsed
+# JSON takes about ten times its size in memory
+MAX_FILE_BYTES_LIMIT = 1024 * MIB
+MAX_PHASES = 100_000  # a run records a few phases per repeat; per-phase work stays bounded
+MAX_DEVICE_CHARS = 64
+# What one plot draws at most (the rest is said in a note): more cannot be read and hangs the layout.
+MAX_DRAWN_PHASES = 40  # the phases with the highest peaks keep their line, name and peak
+MAX_LABEL_BANDS = 24  # the labels holding the most bytes keep their band; the rest join "other"
+MAX_TOP = 32  # --top: the largest unlabelled allocations drawn as bands
+MAX_BINS = 100_000
 
 
 class TimelineError(LabError):
@@ -100,8 +111,13 @@ def check_timeline(timeline) -> dict:
     import numpy as np
     if not isinstance(timeline, dict) or timeline.get("kind") != TIMELINE_KIND:
         raise TimelineError(f"not an {TIMELINE_KIND} document")
-    if timeline.get("schema_version") != SCHEMA_VERSION:
-        raise TimelineError(f"unsupported schema_version {timeline.get('schema_version')!r}")
+    version = timeline.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise TimelineError(f"unsupported schema_version {drawn_text(repr(version))}")
+    device = timeline.get("device")
+    if not isinstance(device, str) or not 0 < len(device) <= MAX_DEVICE_CHARS:
+        raise TimelineError(f"'device' must be the device's name (e.g. \"cuda:0\"), a string of 1 to "
+                            f"{MAX_DEVICE_CHARS} characters")
     if timeline.get("actions") != list(TIMELINE_ACTIONS):
         raise TimelineError(f"'actions' must be {list(TIMELINE_ACTIONS)}")
     for key in ("initial_allocated_bytes", "initial_reserved_bytes", "time_origin_us"):
@@ -113,6 +129,8 @@ def check_timeline(timeline) -> dict:
     phases = timeline.get("phases")
     if not isinstance(phases, list):
         raise TimelineError("'phases' must be a list")
+    if len(phases) > MAX_PHASES:
+        raise TimelineError(f"'phases' holds {len(phases)} phases; at most {MAX_PHASES} are read")
     for i, phase in enumerate(phases):
         if not isinstance(phase, dict) or not isinstance(phase.get("name"), str):
             raise TimelineError(f"phase {i} has no name")
@@ -141,6 +159,8 @@ def check_timeline(timeline) -> dict:
             raise TimelineError(f"events column '{name}' is not a list of whole numbers")
         if array.dtype.kind == "u":
             raise TimelineError(f"events column '{name}' holds numbers too large")
+        if any(value.__class__ is bool for value in values):  # numpy reads [1, true] as [1, 1]
+            raise TimelineError(f"events column '{name}' is not a list of whole numbers")
         columns[name] = array.astype(np.int64, copy=False)
     t, action, size, phase = columns["time_us"], columns["action"], columns["size_bytes"], columns["phase"]
     checks = ((t < 0, "time_us is negative"), (size < 0, "size_bytes is negative"),
@@ -152,6 +172,21 @@ def check_timeline(timeline) -> dict:
             raise TimelineError(f"event {int(np.argmax(bad))}: {message}")
     if length > 1 and (np.diff(t) < 0).any():
         raise TimelineError(f"event {int(np.argmax(np.diff(t) < 0)) + 1}: time_us goes backwards")
+    # every level below is a sum of sizes: past int64 it would wrap around silently
+    total = float(size.astype(np.float64).sum()) + timeline["initial_allocated_bytes"] \
+        + timeline["initial_reserved_bytes"]
+    if total > 2**62:
+        raise TimelineError("size_bytes and the initial bytes add up past 2**62 bytes: not a real trace")
+    for key in ("frames",):
+        column = events.get(key)
+        if column is not None and (not isinstance(column, list) or len(column) != length or not all(
+                v is None or (isinstance(v, list) and all(isinstance(f, str) for f in v)) for v in column)):
+            raise TimelineError(f"events column '{key}' must hold a list of strings or null per event")
+    ooms = timeline.get("ooms", [])
+    if not isinstance(ooms, list) or not all(
+            isinstance(o, dict) and is_byte_count(o.get("time_us")) and is_byte_count(o.get("size_bytes"))
+            and (o.get("device_free_bytes") is None or is_byte_count(o.get("device_free_bytes"))) for o in ooms):
+        raise TimelineError("'ooms' must be a list of {time_us, size_bytes, device_free_bytes} with whole numbers")
     label, labelled = events.get("label"), None
     if label is not None:
         if not isinstance(label, list) or len(label) != length:
@@ -172,6 +207,8 @@ def check_timeline(timeline) -> dict:
 
 def load_timeline(path, max_bytes: int = MAX_FILE_BYTES, check: bool = True) -> dict:
     """Read a timeline file and validate it (unless `check` is False: ``plot_timeline`` checks it)."""
+    if type(max_bytes) is not int or not 1 <= max_bytes <= MAX_FILE_BYTES_LIMIT:
+        raise TimelineError(f"max_bytes must be a whole number from 1 to {MAX_FILE_BYTES_LIMIT}")
     timeline = read_json_file(path, max_bytes)
     if not check:
         return timeline
@@ -191,8 +228,14 @@ def phase_peaks(timeline, arrays=None) -> list:
     import numpy as np
     a = arrays or check_timeline(timeline)
     rows = []
+    # each phase's events, in event order, without a pass over every event per phase
+    order = np.argsort(a["phase"], kind="stable")
+    grouped = a["phase"][order]
+    count = len(timeline["phases"])
+    lows = np.searchsorted(grouped, np.arange(count), side="left")
+    highs = np.searchsorted(grouped, np.arange(count), side="right")
     for k, phase in enumerate(timeline["phases"]):
-        inside = np.flatnonzero(a["phase"] == k)
+        inside = order[lows[k]:highs[k]]
         before = np.searchsorted(a["time_us"], phase["start_us"], side="left") - 1
         if inside.size:
             before = min(before, inside[0] - 1)
@@ -206,7 +249,7 @@ def phase_peaks(timeline, arrays=None) -> list:
                 peak_alloc, peak_time = int(levels[top]), int(a["time_us"][inside[top]])
             end_alloc = int(levels[-1])
             peak_res = max(start_res, int(a["reserved"][inside].max()))
-        rows.append({"phase": phase["name"], "index": phase["index"], "start_us": phase["start_us"],
+        rows.append({"phase": phase["name"], "index": phase.get("index"), "start_us": phase["start_us"],
                      "end_us": phase["end_us"], "start_allocated_bytes": start_alloc,
                      "peak_allocated_bytes": peak_alloc, "peak_time_us": peak_time,
                      "end_allocated_bytes": end_alloc, "peak_reserved_bytes": peak_res,
@@ -246,7 +289,10 @@ def _sample_points(times, levels, bins: int):
     if n <= 2 * bins:
         return np.arange(n)
     span = int(times[-1] - times[0]) + 1
-    which = ((times - times[0]) * bins) // span
+    if span * bins <= 2**63 - 1:
+        which = ((times - times[0]) * bins) // span
+    else:  # the product would wrap around in int64: bins of a whole number of microseconds
+        which = (times - times[0]) // -(-span // bins)
     starts = np.flatnonzero(np.concatenate(([True], which[1:] != which[:-1])))
     top = np.maximum.reduceat(levels, starts)
     counts = np.diff(np.append(starts, n))
@@ -256,18 +302,24 @@ def _sample_points(times, levels, bins: int):
     return np.union1d(hits[first_hit], last)
 
 
-def plot_timeline(timeline, ax=None, top: int = 8, bins: int = 2000, labels=None, size_labels=None):
+def plot_timeline(timeline, ax=None, top: int = 8, bins: int = 2000, labels=None, size_labels=None,
+                  left_out=None):
     """Allocated bytes as stacked bands, reserved as a line, phases and their peaks (MiB, seconds).
 
     Bands: one per label (``labels`` {address: name}, then ``size_labels`` {size_bytes: name}, then
     the events' ``label`` column), then the `top` largest unlabelled allocations, the rest "other".
     Time is cut into `bins` bins; each bin is drawn at its highest ``allocated`` and its last
-    event, so peaks are exact however many events there are. Returns the Axes.
+    event, so peaks are exact however many events there are. What a reader could not see is not
+    drawn: at most MAX_DRAWN_PHASES phases (the highest peaks), MAX_LABEL_BANDS labels (the most
+    bytes; the others join "other"), names cut to MAX_DRAWN_CHARS characters; a note on the plot
+    says what was left out, and so does each line appended to `left_out` (a list) if given.
+    Returns the Axes.
     """
     import matplotlib.pyplot as plt
     import numpy as np
-    if type(top) is not int or top < 0 or type(bins) is not int or bins < 1:
-        raise TimelineError("top must be a whole number >= 0 and bins >= 1")
+    if type(top) is not int or not 0 <= top <= MAX_TOP or type(bins) is not int or not 1 <= bins <= MAX_BINS:
+        raise TimelineError(f"top must be a whole number from 0 to {MAX_TOP} and bins from 1 to {MAX_BINS}")
+    notes = []
     a = check_timeline(timeline)
     if ax is None:
         _, ax = plt.subplots(figsize=(13, 5.5))
@@ -287,16 +339,27 @@ def plot_timeline(timeline, ax=None, top: int = 8, bins: int = 2000, labels=None
         iv_label[iv_size == key] = name
     for key, name in (labels or {}).items():
         iv_label[addresses == key] = name
-    has_label = np.not_equal(iv_label, None)
-    names = sorted(set(iv_label[has_label].tolist()))
+    has_label = np.flatnonzero(np.not_equal(iv_label, None))
+    every = sorted(set(iv_label[has_label].tolist()))
+    code = {name: k for k, name in enumerate(every)}
+    codes = np.array([code[name] for name in iv_label[has_label].tolist()], dtype=np.int64)
+    names = every
+    if len(every) > MAX_LABEL_BANDS:  # the labels holding the most bytes keep their band
+        weight = np.bincount(codes, weights=iv_size[has_label].astype(np.float64), minlength=len(every))
+        kept = sorted(np.argsort(-weight, kind="stable")[:MAX_LABEL_BANDS].tolist())
+        names = [every[k] for k in kept]
+        notes.append(f"{len(every) - len(kept)} of {len(every)} labels drawn within 'other'")
+        remap = np.full(len(every), -1, dtype=np.int64)
+        remap[kept] = np.arange(len(kept))
+        codes = remap[codes]
     band = np.full(first_event.size, -1, dtype=np.int64)
-    for k, name in enumerate(names):
-        band[has_label & (iv_label == name)] = k
+    band[has_label] = codes
+    names = [drawn_text(name) for name in names]
     unlabelled = np.flatnonzero(band < 0)
     largest = unlabelled[np.argsort(-iv_size[unlabelled], kind="stable")[:top]]
     # a band thinner than 1 % of the peak cannot be seen: such allocations stay in "other"
     peak = int(a["allocated"].max()) if a["allocated"].size else 0
-    largest = largest[iv_size[largest] * 100 >= peak]
+    largest = largest[iv_size[largest].astype(np.float64) * 100 >= peak]  # int64 would wrap past 2**63 / 100
     for k, i in enumerate(largest.tolist()):
         band[i] = len(names) + k
         names.append(f"{iv_size[i] / MIB:.1f} MiB at 0x{int(addresses[i]):x}")
@@ -323,19 +386,36 @@ def plot_timeline(timeline, ax=None, top: int = 8, bins: int = 2000, labels=None
         ax.step(rx, ry / MIB, where="post", color="black", linewidth=1.4, label="reserved")
     elif timeline["initial_reserved_bytes"]:
         ax.axhline(timeline["initial_reserved_bytes"] / MIB, color="black", linewidth=1.4, label="reserved")
-    for row in phase_peaks(timeline, a):
+    rows = phase_peaks(timeline, a)
+    if len(rows) > MAX_DRAWN_PHASES:  # the highest peaks keep their line, name and peak, in time order
+        highest = np.argsort([-row["peak_allocated_bytes"] for row in rows], kind="stable")[:MAX_DRAWN_PHASES]
+        notes.append(f"{len(rows) - MAX_DRAWN_PHASES} of {len(rows)} phases not drawn "
+                     f"(the {MAX_DRAWN_PHASES} with the highest peaks are)")
+        rows = [rows[k] for k in sorted(highest.tolist())]
+    cut = sum(len(row["phase"]) > MAX_DRAWN_CHARS for row in rows) + sum(
+        len(name) > MAX_DRAWN_CHARS for name in every)
+    if cut:
+        notes.append(f"{cut} names cut to {MAX_DRAWN_CHARS} characters")
+    for row in rows:
         ax.axvline(row["start_us"] / 1e6, color="grey", linestyle=":", linewidth=1)
-        title = row["phase"] if row["index"] is None else f"{row['phase']} #{row['index']}"
+        name = drawn_text(row["phase"])
+        title = name if row["index"] is None else f"{name} #{row['index']}"
         ax.annotate(title, (row["start_us"] / 1e6, 1), xycoords=("data", "axes fraction"), rotation=90,
-                    va="top", ha="right", fontsize=8, color="dimgrey")
+                    va="top", ha="right", fontsize=8, color="dimgrey", usetex=False)
         ax.plot(row["peak_time_us"] / 1e6, row["peak_allocated_bytes"] / MIB, marker="v", color="crimson")
         ax.annotate(f"{row['peak_allocated_bytes'] / MIB:.1f}", (row["peak_time_us"] / 1e6,
                     row["peak_allocated_bytes"] / MIB), textcoords="offset points", xytext=(0, 6),
                     ha="center", fontsize=7, color="crimson")
     ax.set_xlabel("seconds since the first recorded event")
     ax.set_ylabel("MiB")
-    ax.set_title(f"allocated (bands) and reserved (line), {timeline['device']}; ▼ each phase's peak allocated")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.set_title(f"allocated (bands) and reserved (line), {drawn_text(timeline['device'])}; "
+                 "▼ each phase's peak allocated", usetex=False)
+    plain_texts(ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7).get_texts())
+    if notes:
+        ax.text(0, -0.12, "left out: " + "; ".join(notes), transform=ax.transAxes, fontsize=7,
+                color="dimgrey", va="top", usetex=False)
+    if left_out is not None:
+        left_out.extend(notes)
     return ax
 
 

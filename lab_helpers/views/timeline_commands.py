@@ -6,72 +6,63 @@ import argparse
 import json
 import sys
 
-from lab_helpers.allocator.history import timeline_from_snapshot
-from lab_helpers.core.cli import Command, Program, program_parser, quiet_broken_pipe, run
+from lab_helpers.allocator.history import MAX_COUNT, timeline_from_snapshot
+from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK
 from lab_helpers.core.files import check_new_output, read_json_file, write_new_bytes
+from lab_helpers.core.numbers import whole_number
 from lab_helpers.views.explain import explain_snapshot, explanation_table, load_snapshot
-from lab_helpers.views.timeline import (MAX_FILE_BYTES, TimelineError, check_timeline, load_timeline, phase_peaks,
-                                        render_png)
+from lab_helpers.views.timeline import (MAX_BINS, MAX_FILE_BYTES, MAX_FILE_BYTES_LIMIT, MAX_TOP, TimelineError,
+                                        check_timeline, load_timeline, phase_peaks, render_png)
 
-SIZE_HELP = f"refuse input files larger than this, before reading them (default {MAX_FILE_BYTES})"
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
+SIZE_HELP = (f"refuse input files larger than this, before reading them (default {MAX_FILE_BYTES}, "
+             f"at most {MAX_FILE_BYTES_LIMIT})")
+# ASCII digits only, the digit count checked before conversion; each bounded where it is used
+_file_bytes = whole_number(minimum=1, maximum=MAX_FILE_BYTES_LIMIT)
+_byte_count = whole_number(minimum=0, maximum=MAX_COUNT)
 
 
 def add_plot_arguments(p) -> None:
     p.add_argument("timeline", help="timeline JSON file (kind 'iteragpu-lab timeline')")
     p.add_argument("--output", required=True, help="new PNG file to create; an existing file is never overwritten")
-    p.add_argument("--top", type=_non_negative_int, default=8, help="largest unlabelled allocations drawn as their own band (default 8)")
-    p.add_argument("--bins", type=_positive_int, default=2000, help="time bins; each shows its highest allocated (default 2000)")
-    p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=SIZE_HELP)
+    p.add_argument("--top", type=whole_number(minimum=0, maximum=MAX_TOP), default=8, help=f"largest unlabelled allocations drawn as their own band (default 8, at most {MAX_TOP})")
+    p.add_argument("--bins", type=whole_number(minimum=1, maximum=MAX_BINS), default=2000, help=f"time bins; each shows its highest allocated (default 2000, at most {MAX_BINS})")
+    p.add_argument("--max-file-bytes", type=_file_bytes, default=MAX_FILE_BYTES, help=SIZE_HELP)
 
 
 def add_explain_arguments(p) -> None:
     p.add_argument("snapshot", help="the lab's oom snapshot JSON, or a torch.cuda.memory._dump_snapshot pickle (loaded with classes refused)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="sentences and a table for people, or JSON (default table)")
-    p.add_argument("--failed-request-bytes", type=_non_negative_int, default=None, help="the request that failed, when the file does not say")
-    p.add_argument("--device-free-bytes", type=_non_negative_int, default=None, help="the device's free bytes at the failure, when the file does not say")
-    p.add_argument("--process-limit-bytes", type=_non_negative_int, default=None, help="the cap set_per_process_memory_fraction put on this process's reserved bytes, when the file does not say")
-    p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=SIZE_HELP)
+    p.add_argument("--failed-request-bytes", type=_byte_count, default=None, help="the request that failed, when the file does not say")
+    p.add_argument("--device-free-bytes", type=_byte_count, default=None, help="the device's free bytes at the failure, when the file does not say")
+    p.add_argument("--process-limit-bytes", type=_byte_count, default=None, help="the cap set_per_process_memory_fraction put on this process's reserved bytes, when the file does not say")
+    p.add_argument("--max-file-bytes", type=_file_bytes, default=MAX_FILE_BYTES, help=SIZE_HELP)
 
 
 def add_convert_arguments(p) -> None:
     p.add_argument("snapshot", help="torch.cuda.memory._dump_snapshot pickle or the lab's oom snapshot JSON")
     p.add_argument("--output", required=True, help="new timeline JSON file to create; never overwritten")
     p.add_argument("--phases", default=None, help="JSON list of [name, index, start_us, end_us] marks on the trace's clock")
-    p.add_argument("--device", type=_non_negative_int, default=None, help="device index of the trace (default: the only one recorded)")
-    p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=SIZE_HELP)
+    p.add_argument("--device", type=whole_number(minimum=0, maximum=2**31 - 1), default=None, help="device index of the trace (default: the only one recorded)")
+    p.add_argument("--max-file-bytes", type=_file_bytes, default=MAX_FILE_BYTES, help=SIZE_HELP)
 
 
 def add_summary_arguments(p) -> None:
     p.add_argument("timeline", help="timeline JSON file")
-    p.add_argument("--max-file-bytes", type=_positive_int, default=MAX_FILE_BYTES, help=SIZE_HELP)
+    p.add_argument("--max-file-bytes", type=_file_bytes, default=MAX_FILE_BYTES, help=SIZE_HELP)
 
 
 def handle_plot(args) -> int:
     check_new_output(args.output)
     timeline = load_timeline(args.timeline, args.max_file_bytes, check=False)
+    left_out = []
     try:  # the plot validates the timeline once
-        png = render_png(timeline, top=args.top, bins=args.bins)
+        png = render_png(timeline, top=args.top, bins=args.bins, left_out=left_out)
     except TimelineError as exc:
         raise TimelineError(f"{args.timeline}: {exc}") from None
     write_new_bytes(args.output, png)
+    if left_out:  # not an error: the plot was drawn, and says the same at its foot
+        error_line(f"timeline: note: left out of the plot: {'; '.join(left_out)}")
     print(json.dumps({"output": str(args.output), "png_bytes": len(png)}, indent=2))
     return EXIT_OK
 
