@@ -511,9 +511,11 @@ def _read_bounded(path, max_bytes: int, refuse) -> bytes:
             raise refuse("special", None)
         if info.st_size > max_bytes:
             raise refuse("size", info.st_size)
+        # ask the OS for what the file holds, not for the bound: a bound of 1 TiB must not allocate it
+        wanted = min(info.st_size, max_bytes) + 1
         chunks, size = [], 0
         while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
+            chunk = os.read(fd, min(wanted, max_bytes + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)

@@ -29,6 +29,8 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
         import torch
         import transformers
         from torch.distributed.device_mesh import DeviceMesh
+    except ModuleNotFoundError:
+        raise  # not installed: core.cli.run names the package and `make lab`
     except Exception as exc:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     del transformers  # imported only to fail here, before the GPU is touched, if it cannot

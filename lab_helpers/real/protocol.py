@@ -242,6 +242,8 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
     try:
         import torch
         import transformers
+    except ModuleNotFoundError:
+        raise  # not installed: core.cli.run names the package and `make lab`
     except Exception as exc:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     del transformers  # imported only to fail here, before the GPU is touched, if it cannot
