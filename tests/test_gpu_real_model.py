@@ -63,7 +63,9 @@ def measure(tmp_path, config, batch, context, new_tokens, every=1, name="m.json"
     proc = subprocess.run(
         [sys.executable, "-m", "lab_helpers.real_model", "measure", "--config", str(config), "--dtype", "bfloat16",
          "--batch", str(batch), "--context", str(context), "--new-tokens", str(new_tokens),
-         "--decode-record-every", str(every), "--device", CHILD_DEVICE, "--output", str(out)],
+         "--decode-record-every", str(every), "--device", CHILD_DEVICE, "--output", str(out),
+         # the lab refuses a run past the config's positions unless told: these points run there on purpose
+         *(["--beyond-positions"] if context + new_tokens > (load_config(str(config)).max_positions or 2**62) else [])],
         cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
     report("real-model-measurements.jsonl", {
         "config": str(config), "batch": batch, "context": context, "new_tokens": new_tokens,

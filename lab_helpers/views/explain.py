@@ -195,7 +195,8 @@ def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
 
 _INT_OR_NONE = (int, type(None))
 _SEGMENT_FIELDS = (("device", int), ("stream", _INT_OR_NONE), ("segment_type", str))
-_ENTRY_FIELDS = (("addr", int), ("stream", _INT_OR_NONE), ("time_us", int), ("device_free", _INT_OR_NONE),
+# torch writes no address (None) for entries that are not a block's, e.g. its "oom" and "snapshot" entries
+_ENTRY_FIELDS = (("addr", _INT_OR_NONE), ("stream", _INT_OR_NONE), ("time_us", int), ("device_free", _INT_OR_NONE),
                  ("action", str))
 
 
