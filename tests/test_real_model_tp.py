@@ -295,13 +295,17 @@ def tp_measurement(shift_rank1_peak=0):
     prediction = predict_model(shape, spec)
     ranks = []
     for rank in prediction["ranks"]:
-        phases = [{k: v for k, v in p.items() if k not in ("bytes_at_end", "transient_peak_bytes")}
-                  for p in rank["phases"]]
+        phases = [{**{k: v for k, v in p.items() if k not in ("bytes_at_end", "transient_peak_bytes")},
+                   "seconds": 0.002, "device_seconds": 0.001} for p in rank["phases"]]
         ranks.append({"rank": rank["rank"], "device": f"cuda:{rank['rank']}", "device_name": "NVIDIA H200",
                       "outside_allocator": {"before_bytes": 10, "after_bytes": 5, "nccl_outside_allocator_bytes": 5},
                       "phases": phases})
     ranks[1]["phases"][-1]["peak_allocated_bytes"] += shift_rank1_peak
-    return {"schema_version": 1, "kind": "iteragpu-lab measurement", "environment": {},
+    environment = {"python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+                   "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 2,
+                   "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+                   "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+    return {"schema_version": 1, "kind": "iteragpu-lab measurement", "environment": environment,
             "configuration": prediction["configuration"], "model": prediction["model"], "ranks": ranks}
 
 
