@@ -4,6 +4,7 @@ a notebook's kernel defines); a command-line fixture runs the standalone file an
 own entry, so the generated copy is tested, not only compared."""
 import importlib
 import importlib.util
+import subprocess
 import json
 import sys
 import uuid
@@ -140,3 +141,30 @@ def full_measurement(mm, config, shift=0):
             phase.update(achieved_tflops=1.5, host_to_device_time_ratio=2.0)
     document["phases"][-1]["peak_allocated_bytes"] += shift
     return document
+
+
+def run_main_in_process(main, argv, cwd) -> subprocess.CompletedProcess:
+    """`main(argv)` run in this process from the folder `cwd`, answered as a subprocess run would be:
+    exit code, stdout and stderr text (an uncaught exception becomes its traceback on stderr, so a
+    test that refuses tracebacks fails on it). The hostile tables run most rows this way and a sample
+    as real subprocesses: the same program and checks, without a fresh interpreter per row."""
+    import contextlib
+    import io
+    import os
+    import traceback
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's --help and usage errors
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_main_in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096}
@@ -187,7 +189,13 @@ COMPARE_CASES = {
 }
 
 
-def run_program(argv, cwd, timeout=300):
+SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh `python -m` (the rest in-process)
+
+
+def run_program(argv, cwd, timeout=300, in_process=False):
+    if in_process:
+        from lab_helpers.real.commands import main
+        return run_main_in_process(main, argv, cwd)
     env_vars = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "lab_helpers.real_model", *argv], cwd=cwd, env=env_vars,
                           capture_output=True, text=True, timeout=timeout)
@@ -220,7 +228,8 @@ def test_a_hostile_input_ends_in_one_line(tmp_path, case):
         path = files / "config.json"
         (path.write_bytes if isinstance(body, bytes) else path.write_text)(body)
         config = str(path)
-    proc = run_program([command, "--config", config, *argv], cwd)
+    in_process = sorted(CASES).index(case) % SUBPROCESS_EVERY != 0
+    proc = run_program([command, "--config", config, *argv], cwd, in_process=in_process)
     assert_one_line_refusal(proc, cwd, expected, [config])
 
 
@@ -231,7 +240,8 @@ def test_compare_refuses_a_malformed_measurement_against_the_schema(tmp_path, ca
     cwd.mkdir()
     path = tmp_path / "m.json"
     path.write_text(json.dumps(measurement(tmp_path, change)))
-    proc = run_program(["compare", str(path)], cwd)
+    in_process = sorted(COMPARE_CASES).index(case) % SUBPROCESS_EVERY != 0
+    proc = run_program(["compare", str(path)], cwd, in_process=in_process)
     assert_one_line_refusal(proc, cwd, expected, [str(path)])
 
 
