@@ -556,13 +556,18 @@ def _figures(r: dict, loaded: dict, figures) -> list:
 
 def _message_verdict(figures) -> "str | None":
     """Fragmentation or exhaustion from the message's rounded figures alone: the segment asked for
-    against the device's free bytes plus the reserved but unallocated ones (every pool: an estimate)."""
+    against what could be taken (the device's free bytes, or the room under the per-process cap) plus
+    the reserved but unallocated bytes (every pool: an estimate)."""
     if not figures:
         return None
     asked, free = printed_bytes(figures["tried_to_allocate"]), printed_bytes(figures["free"])
+    unallocated = printed_bytes(figures["reserved_unallocated"])
+    if figures["allowed"] is not None:  # under set_per_process_memory_fraction: the room under the cap
+        reserved = printed_bytes(figures["allocated_by_pytorch"]) + unallocated
+        free = min(free, max(0.0, printed_bytes(figures["allowed"]) - reserved))
     if asked <= free:
         return "fits_now"
-    return "fragmentation" if asked <= free + printed_bytes(figures["reserved_unallocated"]) else "exhaustion"
+    return "fragmentation" if asked <= free + unallocated else "exhaustion"
 
 
 def _source_lines(r: dict) -> list:
