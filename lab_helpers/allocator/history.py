@@ -365,9 +365,8 @@ def oom_snapshot_path(timeline_path) -> str:
     return (text[:-len(".json")] if text.endswith(".json") else text) + ".oom.json"
 
 
-# c10 keeps an attached out-of-memory observer for the life of the process (there is no detach) and
-# calls every one attached, so the lab attaches one per process and routes it to the recorder of the
-# run under way (None between runs).
+# c10 offers no way to detach an out-of-memory observer, so the lab attaches one per process and
+# routes it to the recorder of the run under way (None between runs).
 OOM_OBSERVER_ROUTE = {"attached": False, "recorder": None}
 
 
@@ -379,9 +378,9 @@ def route_oom_observer(torch, recorder) -> bool:
     ``fn(device, alloc, device_limit, device_free)`` when an allocation fails for good (after it has
     released its wholly free cached segments and retried), with its lock released and the GIL held,
     just before it raises OutOfMemoryError: `alloc` is the segment it asked the device for
-    ("Tried to allocate"), `device_limit` the device's total memory or the per-process cap that
-    set_per_process_memory_fraction set, `device_free` cudaMemGetInfo's free bytes. The failed
-    pass's tensors are still allocated then."""
+    ("Tried to allocate"), `device_limit` the device's total memory (measured on an H200, torch
+    2.11: cudaMemGetInfo's total) or the per-process cap that set_per_process_memory_fraction set,
+    `device_free` cudaMemGetInfo's free bytes. The failed pass's tensors are still allocated then."""
     OOM_OBSERVER_ROUTE["recorder"] = recorder
     if OOM_OBSERVER_ROUTE["attached"] or recorder is None:
         return OOM_OBSERVER_ROUTE["attached"]

@@ -510,8 +510,10 @@ def explain_document(loaded: dict, failed_request_bytes=None, device_free_bytes=
     figures = parse_oom_message(loaded.get("error_message"))
     result["error_message"] = loaded.get("error_message")
     result["message_figures"] = figures
-    result["figures"] = _figures(result, loaded, figures)
-    result["figures_agree"] = all(row["agree"] is not False for row in result["figures"])
+    # side by side only where there is something to set beside the snapshot: the message or the observer
+    result["figures"] = _figures(result, loaded, figures) if figures or loaded.get("observer") else []
+    result["figures_agree"] = (all(row["agree"] is not False for row in result["figures"])
+                               if result["figures"] else None)
     result["message_verdict"] = _message_verdict(figures)
     result["summary"] = _source_lines(result) + result["summary"] + _message_lines(result)
     return result
@@ -586,7 +588,8 @@ def _message_lines(r: dict) -> list:
     lines = []
     holes = sorted((row for row in r["segments"] if row["free_bytes"]), key=lambda row: -row["largest_free_block_bytes"])
     if holes:
-        lines.append(f"Reserved but free: {r['reserved_free_bytes']} bytes in {len(holes)} of {len(r['segments'])} "
+        lines.append(f"Reserved but free: {r['reserved_free_bytes']} bytes ({r['reserved_free_bytes'] / 2**30:.2f} GiB) "
+                     f"in {len(holes)} of {len(r['segments'])} "
                      f"segments; the largest holes {', '.join(str(row['largest_free_block_bytes']) for row in holes[:3])} "
                      f"bytes; the largest of the {r['pool']} pool {r['usable_largest_free_block_bytes']}.")
     es = r["expandable_segments"]
@@ -597,7 +600,7 @@ def _message_lines(r: dict) -> list:
     if r["figures"]:
         agree = "agree" if r["figures_agree"] else "DISAGREE (see the table)"
         lines.append(f"PyTorch's message, the observer and the explainer {agree}"
-                     + ("" if r["message_figures"] else " (no PyTorch message figures in the file)") + ".")
+                     + ("" if r["message_figures"] else " (the file holds no PyTorch message to read)") + ".")
     if r["message_verdict"] is not None and r["snapshot_source"] != "observer":
         lines.append(f"From PyTorch's message alone (its rounded figures, every pool): "
                      f"{r['message_verdict'].upper().replace('_', ' ')}.")
