@@ -207,7 +207,8 @@ def test_a_cap_set_by_set_per_process_memory_fraction_is_the_observers_limit():
     assert document["process_limit_bytes"] == 80 * GiB and document["observer"]["device_limit_bytes"] == 80 * GiB
 
 
-@pytest.mark.parametrize("case", ["no-call", "raising-observer", "other-request", "earlier-phase", "no-observer"])
+@pytest.mark.parametrize("case", ["no-call", "raising-observer", "other-request", "earlier-phase", "no-observer",
+                                  "not-the-allocators-message"])
 def test_without_a_matching_observer_call_the_snapshot_is_taken_after_unwinding(case):
     snapshot = {"segments": layout(), "device_traces": [oom_trace()]}
     torch = FakeTorch(snapshot, stats(), fail_stats=case == "raising-observer")
@@ -219,16 +220,21 @@ def test_without_a_matching_observer_call_the_snapshot_is_taken_after_unwinding(
         torch.attached[0](0, SEGMENT_ASKED, TOTAL, FREE)  # never raises, whatever fails inside
     if case == "other-request":
         torch.attached[0](0, 2 * MiB, TOTAL, FREE)
+    if case == "not-the-allocators-message":
+        torch.attached[0](0, SEGMENT_ASKED, TOTAL, FREE)  # a failure caught inside the phase, then another
     start = 2**62 if case == "earlier-phase" else 0
-    document = failing(recorder, torch, phase_start_us=start).oom_snapshot
+    text = "CUDA error: out of memory" if case == "not-the-allocators-message" else message()
+    document = failing(recorder, torch, text=text, phase_start_us=start).oom_snapshot
     assert document["snapshot_source"] == "after unwinding" and document["observer"] is None
-    assert document["failed_request_bytes"] == 22 * GiB + 1024 and document["error_message"] == message()
+    assert document["failed_request_bytes"] == 22 * GiB + 1024 and document["error_message"] == text
     assert document["observer_problem"] == {
         "no-call": "PyTorch's caching allocator did not call the observer for this failure",
         "raising-observer": "the observer failed: RuntimeError: stats unavailable",
         "other-request": "the observer's last call was for 2.00 MiB, the error's for 22.00 GiB",
         "earlier-phase": "the observer's last call was in an earlier phase",
-        "no-observer": "this torch has no out-of-memory observer"}[case]
+        "no-observer": "this torch has no out-of-memory observer",
+        "not-the-allocators-message": "the error is not the caching allocator's out-of-memory message; the "
+                                      "observer's last call was for another failure"}[case]
 
 
 def test_a_real_model_run_is_named_in_the_file():

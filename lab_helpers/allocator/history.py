@@ -470,10 +470,15 @@ class HistoryRecorder:
         if observed is not None and self.marks and observed["observed_us"] < self.marks[-1][2]:
             observed, problem = None, "the observer's last call was in an earlier phase"
         figures = parse_oom_message(message)
-        if observed is not None and figures is not None and \
-                figures["tried_to_allocate"] != torch_format_size(observed["alloc_bytes"]):
-            observed, problem = None, (f"the observer's last call was for {torch_format_size(observed['alloc_bytes'])}, "
-                                       f"the error's for {figures['tried_to_allocate']}")
+        if observed is not None:
+            asked = torch_format_size(observed["alloc_bytes"])
+            if figures is not None and figures["tried_to_allocate"] != asked:
+                observed, problem = None, (f"the observer's last call was for {asked}, "
+                                           f"the error's for {figures['tried_to_allocate']}")
+            elif figures is None and f"Tried to allocate {asked}" not in message:
+                # not the caching allocator's message: the observer's call was for another failure
+                observed, problem = None, ("the error is not the caching allocator's out-of-memory message; "
+                                           "the observer's last call was for another failure")
         try:
             if observed is not None:
                 document = observer_document(observed, str(device))
