@@ -486,3 +486,11 @@ def test_the_h200s_measured_observer_call_and_message_agree_and_say_exhaustion(t
         ("100.00 GiB", 100 * GiB, True), ("0 bytes", 0, True)]
     assert r["verdict"] == r["message_verdict"] == "exhaustion" and r["figures_agree"] is True
     assert r["expandable_segments"]["would_fit"] is False  # 39.29 GiB free < 45 GiB, no free page anywhere
+
+
+def test_an_observer_snapshot_with_room_says_the_refusal_had_another_cause():
+    document = observer_document(request=10 * GiB)  # a 16 GiB hole would hold it
+    document["error_message"] = message(asked="10.00 GiB")
+    r = explain_document(loaded_dict(document))
+    assert r["verdict"] == "fits_now"
+    assert any(line.startswith("The observer's snapshot has room for the request, yet") for line in r["summary"])

@@ -604,6 +604,10 @@ def _message_lines(r: dict) -> list:
     if r["message_verdict"] is not None and r["snapshot_source"] != "observer":
         lines.append(f"From PyTorch's message alone (its rounded figures, every pool): "
                      f"{r['message_verdict'].upper().replace('_', ' ')}.")
+    if r["snapshot_source"] == "observer" and r["verdict"] == "fits_now":
+        lines.append("The observer's snapshot has room for the request, yet the allocator refused it: it was asked "
+                     "for on another stream, or from a private pool (CUDA graphs), or under a setting of "
+                     "PYTORCH_CUDA_ALLOC_CONF (max_split_size_mb) this explainer does not model.")
     if r["request_note"]:
         lines.append(f"The request is {r['request_note']}.")
     return lines
