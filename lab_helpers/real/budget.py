@@ -138,8 +138,9 @@ def read_gpu_memory(path=None) -> dict:
         document = read_json_file(source, max_bytes=MAX_GPU_MEMORY_FILE_BYTES)
     except GpuMemoryError:
         raise
-    except LabError as exc:
-        raise GpuMemoryError(str(exc).replace("a measurement file", "the GPU memory file")) from None
+    except LabError as exc:  # named as shown: the default file by its place in the checkout
+        text = str(exc).replace(display_path(source), shown, 1).replace("a measurement file", "the GPU memory file")
+        raise GpuMemoryError(text) from None
     records = parse_gpu_memory(document, shown)
     if path is None:
         _READ[key] = records
