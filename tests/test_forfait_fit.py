@@ -317,12 +317,13 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):
     assert status == 2 and out == "" and "not a regular file" in err and err.count("\n") == 1
 
 
-def test_the_notebook_copy_gives_the_same_answer(tmp_path):
+def test_the_notebook_copy_gives_the_same_answer(tmp_path, monkeypatch):
     # the forfaits notebook's generated cells, up to card_fit's, run as one module
     from lab_helpers.build.sync import notebook_code_upto
     code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/real/card_fit.py")
     path = tmp_path / "forfaits_cells.py"
     path.write_text(code, encoding="utf-8")
+    monkeypatch.chdir(ROOT / "notebooks")  # where the kernel runs: the copy reads ../data/gpu-memory.json
     cells = load_module(path)
     rows = small_card(tmp_path, [("pair", 2, 48, 300), ("one", 1, 48, 200), ("tiny", 1, 8, 1)])
     shape = load_config("llama-3.1-8b")
