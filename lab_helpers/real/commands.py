@@ -106,8 +106,11 @@ def add_compare_arguments(p) -> None:
 def add_fit_arguments(p) -> None:
     add_run_flags(p, sizes_required=False)
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
-    budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
+    budget.add_argument("--gpu", metavar="MODEL_ID",
+                        help="a model_id of the rate card data/tarifs-forfaits.csv: its budget by the rule fit --card "
+                             "uses (measured on that GPU, else derived, not measured, from data/gpu-memory.json)")
+    budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N",
+                        help="the budget in bytes: a whole number from 1 to 2^50")
     p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
                    "is measured (default cuda:0)")
     # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
