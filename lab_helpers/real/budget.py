@@ -176,8 +176,8 @@ def device_budget(gpu: str, card_gib: int, totals=None) -> dict:
         entry = {"budget_bytes": value, "memory_source": DERIVED,
                  "memory_basis": (f"{DERIVED}: no total of {gpu} is known; the card's {card_gib} GiB x 2^30 x "
                                   f"{usable} / ({REFERENCE_CARD_GIB} x 2^30) = floor({card_gib} x {usable} / "
-                                  f"{REFERENCE_CARD_GIB}) = {value} bytes, which may exceed the device: no total to check it "
-                                  f"against")}
+                                  f"{REFERENCE_CARD_GIB}) = {value} bytes, which may exceed the device: no total "
+                                  f"to check it against")}
     if total is not None and entry["budget_bytes"] > total:
         raise LabError(f"the budget of {gpu} ({entry['budget_bytes']} bytes) exceeds its total memory ({total} bytes)")
     return {**entry, "cuda_total_bytes": total}
@@ -194,8 +194,8 @@ def nccl_outside(gpu, degree: int) -> dict:
                 "nccl_basis": f"{MEASURED} ({where})"}
     value, where = MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE]
     return {"nccl_outside_allocator_bytes": value, "nccl_source": DERIVED,
-            "nccl_basis": (f"{DERIVED}: not measured on {gpu or 'this GPU model'} at {degree}; the {value} bytes measured on "
-                           f"{NCCL_REFERENCE[0]} at {NCCL_REFERENCE[1]} ({where})")}
+            "nccl_basis": (f"{DERIVED}: not measured on {gpu or 'this GPU model'} at {degree}; the {value} bytes "
+                           f"measured on {NCCL_REFERENCE[0]} at {NCCL_REFERENCE[1]} ({where})")}
 
 
 def rank_budget(gpu: str, card_gib: int, degree: int, totals=None) -> dict:
