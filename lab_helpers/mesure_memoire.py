@@ -1343,8 +1343,9 @@ SMALL_PAGE_BYTES = SMALL_SEGMENT_BYTES  # kSmallBuffer: the small pool maps 2 Mi
 LARGE_PAGE_BYTES = LARGE_SEGMENT_BYTES  # kLargeBuffer: the large pool maps 20 MiB pages
 
 
-# cudaGetDeviceProperties' totalGlobalMem of an NVIDIA H200 (143771 MiB, as the environment report
-# measured it): only the size of the virtual range depends on it, which no run of the lab reaches.
+# cudaGetDeviceProperties' totalGlobalMem of an NVIDIA H200 (143771 MiB; torch's total_memory, as the
+# measurement files record it, not cudaMemGetInfo's 150109880320): it sets the size of the virtual
+# range, 8088 pages of 20 MiB (157.97 GiB) for the large pool, beyond which a second segment starts.
 H200_TOTAL_MEMORY_BYTES = 143771 * 2**20
 
 
@@ -1434,9 +1435,8 @@ class ExpandableAllocator:
         for small in (False, True):  # the large pool first, as release_cached_blocks does
             for block in sorted(self.free_blocks[small], key=lambda b: (b.size, b.address)):
                 self._unmap(block)
-            for segment in list(self.segments[small]):
-                if len(segment.blocks) == 1 and not segment.blocks[0].mapped:
-                    self.segments[small].remove(segment)
+                if len(block.segment.blocks) == 1 and not block.mapped:  # nothing mapped is left in it
+                    self.segments[small].remove(block.segment)
 
     def reset_peaks(self) -> None:
         """Restart the peaks from the current values, as reset_peak_memory_stats does."""
