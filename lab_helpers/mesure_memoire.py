@@ -2757,8 +2757,9 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
         "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
-        "allocator_conf": allocator.conf_text(),
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
         document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features, allocator)
         return document

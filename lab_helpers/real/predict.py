@@ -162,10 +162,11 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
         "model": model_description(shape, spec.dtype),
         "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
         "assumptions": EXPANDABLE_ASSUMPTIONS if allocator.expandable_segments else REAL_MODEL_ASSUMPTIONS,
-        "allocator_conf": allocator.conf_text(),
         "overall": totals,
         "phases": phases,
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        prediction["allocator_conf"] = allocator.conf_text()
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
     _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
