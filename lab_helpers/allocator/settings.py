@@ -28,6 +28,11 @@ ALLOCATOR_CONF_HELP = ("the CUDA caching allocator's settings, as PYTORCH_CUDA_A
                        "setting); default: PYTORCH_CUDA_ALLOC_CONF from the environment, else PyTorch's defaults")
 
 
+def allocator_environment():
+    """The process's environment, of which only ALLOC_CONF_VARIABLES are ever read or set here."""
+    return os.environ  # the allocator's variables only: PyTorch reads its settings there
+
+
 @dataclass(frozen=True)
 class AllocatorSettings:
     """The allocator settings a run uses (only those the lab models)."""
@@ -79,7 +84,7 @@ def parse_allocator_conf(text, name: str) -> AllocatorSettings:
 
 def settings_from_environment(environ=None) -> AllocatorSettings:
     """The settings PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) gives; PyTorch's defaults if unset."""
-    environ = os.environ if environ is None else environ
+    environ = allocator_environment() if environ is None else environ
     given = {name: environ[name] for name in ALLOC_CONF_VARIABLES if name in environ}
     texts = {parse_allocator_conf(text, name) for name, text in given.items()}
     if len(texts) > 1:
@@ -113,7 +118,7 @@ def recorded_settings(environment_record) -> AllocatorSettings:
 def recorded_environment_variables(environ=None) -> dict:
     """{pytorch_cuda_alloc_conf, pytorch_alloc_conf}: the variables as this process holds them (None
     when unset), cut to MAX_ALLOC_CONF_CHARS, for the environment report."""
-    environ = os.environ if environ is None else environ
+    environ = allocator_environment() if environ is None else environ
     return {name.lower(): (environ[name][:MAX_ALLOC_CONF_CHARS] if name in environ else None)
             for name in ALLOC_CONF_VARIABLES}
 
@@ -122,7 +127,7 @@ def put_in_force(settings: AllocatorSettings, environ=None) -> None:
     """Make `settings` the allocator's for this process, before CUDA initialises: the variables are
     set (PyTorch reads them when its allocator starts); a torch already imported is told at once.
     LabError when CUDA already runs here under other settings (they cannot change it any more)."""
-    environ = os.environ if environ is None else environ
+    environ = allocator_environment() if environ is None else environ
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         current = settings_from_environment(environ)
