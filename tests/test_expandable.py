@@ -328,3 +328,23 @@ def test_the_real_model_prediction_under_expandable_segments(tmp_path):
     prefill = next(p for p in expandable["phases"] if p["phase"] == "prefill")
     load = expandable["phases"][0]
     assert prefill["end_reserved_bytes"] - load["end_reserved_bytes"] >= 40 * MIB
+
+
+def test_the_setting_is_put_in_force_before_cuda_starts():
+    import subprocess
+    import sys
+    code = ("import os; from lab_helpers.allocator.settings import AllocatorSettings, put_in_force, "
+            "settings_from_environment\n"
+            "put_in_force(AllocatorSettings(expandable_segments=True))\n"
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'], os.environ['PYTORCH_ALLOC_CONF'], "
+            "settings_from_environment().expandable_segments)\n"
+            "import torch\n"
+            "put_in_force(AllocatorSettings(expandable_segments=False))\n"  # torch imported, CUDA not started
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n")
+    from conftest import ROOT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["expandable_segments:True", "expandable_segments:True", "True",
+                                   "expandable_segments:False"]
+    assert "Warning" not in proc.stderr

@@ -137,8 +137,9 @@ def put_in_force(settings: AllocatorSettings, environ=None) -> None:
         return
     for name in ALLOC_CONF_VARIABLES:
         environ[name] = settings.conf_text()
-    if torch is not None:
-        torch.cuda.memory._set_allocator_settings(settings.conf_text())
+    if torch is not None:  # its allocator may have read the variables at import: tell it directly
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # newer torch; the older name warns
+        (setter or torch.cuda.memory._set_allocator_settings)(settings.conf_text())
 
 
 def replay_allocator(settings: AllocatorSettings):
