@@ -7,7 +7,9 @@ parallel N every rank in turn under torch's fake process-group backend.
 import contextlib
 from dataclasses import replace
 
+from lab_helpers.allocator.expandable import CappedExpandableAllocator, ExpandableAllocator
 from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.measurement.schema import SCHEMA_VERSION
@@ -21,19 +23,36 @@ REAL_MODEL_ASSUMPTIONS = (
     "a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the library's default "
     "attention (SDPA) and cache (DynamicCache); free blocks of equal size taken in the order their "
     "segments were made; reserved without a cache flush unless a capacity is given")
+EXPANDABLE_ASSUMPTIONS = (
+    "a fresh process; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and no other setting (one segment per "
+    "pool, grown at its end in 2 MiB pages for requests up to 1 MiB and 20 MiB pages above); the library's "
+    "default attention (SDPA) and cache (DynamicCache); reserved without a release of free pages unless a "
+    "capacity is given")
+
+
+def replay_allocator_for(settings: AllocatorSettings, capacity_bytes=None):
+    """The replayed allocator of a real-model prediction under `settings`, capped at `capacity_bytes`
+    (what it may reserve) when one is given."""
+    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
+    if settings.expandable_segments:
+        # segments grow in place: no address to choose, so no AddressedAllocator counterpart
+        return ExpandableAllocator() if capacity_bytes is None else CappedExpandableAllocator(capacity_bytes,
+                                                                                               OutOfMemory)
+    return AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
 
 
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
-                        mesh=None) -> dict:
+                        mesh=None, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """Trace the model_load phase once; predictions of other sizes start from a copy of it.
 
     At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay alive
     while the loaded model is used (its forward hooks call the mesh's process group)."""
     import torch
 
-    from lab_helpers.real.tracer import AllocationTracer, CappedAllocator
-    tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
-    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh}
+    from lab_helpers.real.tracer import AllocationTracer
+    tracer = AllocationTracer(replay_allocator_for(allocator, capacity_bytes))
+    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh,
+              "allocator_settings": allocator}
 
     def phase(name, action, index, recorded):
         with tracer:
@@ -74,24 +93,27 @@ def fake_process_group(rank: int, world_size: int):
 
 
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
-                  tensor_parallel: "int | None" = None) -> dict:
+                  tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None) -> dict:
     """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
 
     At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
     turn under torch's fake process-group backend, and the document has a "ranks" list (each
     rank's "overall" and "phases") instead of "phases"; its "overall" is the worst rank's. With
     `loaded` at N > 1 (from load_for_prediction, whose fake group must still be open), only that
-    loaded rank is predicted, and returned as the document of one rank."""
+    loaded rank is predicted, and returned as the document of one rank. `allocator`: the allocator
+    settings replayed (default: `loaded`'s, else PyTorch's defaults)."""
+    if allocator is None:
+        allocator = loaded.get("allocator_settings", DEFAULT_SETTINGS) if loaded is not None else DEFAULT_SETTINGS
     if tensor_parallel is not None:
         spec = replace(spec, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, spec.tensor_parallel)
     degree = spec.tensor_parallel
     if degree == 1 or loaded is not None:
-        return _predict_rank(shape, spec, capacity_bytes, loaded)
+        return _predict_rank(shape, spec, capacity_bytes, loaded, allocator=allocator)
     ranks = []
     for rank in range(degree):
         with fake_process_group(rank, degree) as mesh:
-            one = _predict_rank(shape, spec, capacity_bytes, None, mesh)
+            one = _predict_rank(shape, spec, capacity_bytes, None, mesh, allocator)
         ranks.append({"rank": rank, "overall": one.pop("overall"), "phases": one.pop("phases")})
     one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
                                                                            "peak_reserved_bytes")}
@@ -99,15 +121,16 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     return one
 
 
-def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None) -> dict:
+def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None,
+                  allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     import copy
 
     import torch
 
     from lab_helpers.real.tracer import AllocationTracer
     if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes
-            or loaded["tensor_parallel"] != spec.tensor_parallel):
-        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes, spec.tensor_parallel, mesh)
+            or loaded["tensor_parallel"] != spec.tensor_parallel or loaded.get("allocator_settings", DEFAULT_SETTINGS) != allocator):
+        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes, spec.tensor_parallel, mesh, allocator)
     tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
     alloc = tracer.allocator
     phases = [dict(loaded["record"])]
@@ -138,10 +161,12 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
         "configuration": run_configuration(spec),
         "model": model_description(shape, spec.dtype),
         "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
-        "assumptions": REAL_MODEL_ASSUMPTIONS,
+        "assumptions": EXPANDABLE_ASSUMPTIONS if allocator.expandable_segments else REAL_MODEL_ASSUMPTIONS,
         "overall": totals,
         "phases": phases,
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        prediction["allocator_conf"] = allocator.conf_text()
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
     _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
@@ -213,7 +238,9 @@ def compare_model(measurement: dict) -> dict:
             [[m[k] for k in COUNTER_KEYS] for m in measured]
     except (KeyError, TypeError, ValueError) as exc:
         raise LabError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
-    prediction = predict_model(shape, spec)
+    # replayed under the allocator settings the measuring process ran with (its environment block)
+    allocator = recorded_settings(measurement.get("environment"))
+    prediction = predict_model(shape, spec, allocator=allocator)
     predicted_ranks = ([prediction["phases"]] if spec.tensor_parallel == 1 else
                        [r["phases"] for r in prediction["ranks"]])
     rows = []
@@ -237,6 +264,7 @@ def compare_model(measurement: dict) -> dict:
     measured_env = measurement.get("environment") or {}
     return {
         "config_name": spec.config_name,
+        "allocator_conf": allocator.conf_text(),
         "measured_on": {k: measured_env.get(k) for k in ("device_name", "torch_version", "cuda_build_version")},
         "measured_transformers_version": measurement["model"].get("transformers_version"),
         "predicted_transformers_version": prediction["model"]["transformers_version"],

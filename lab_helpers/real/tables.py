@@ -15,6 +15,8 @@ def model_prediction_table(result: dict) -> str:
     """predict_model's document: one row per phase (and rank), bytes at its end and at its peak."""
     head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
             f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
+    if result.get("allocator_conf"):  # present under expandable segments only
+        head += f"allocator: {result['allocator_conf']} (reserved grows in pages)\n"
     if "ranks" in result:
         head += f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)\n"
         rows = [{"rank": rank["rank"], **r, **r["bytes_at_end"]} for rank in result["ranks"] for r in rank["phases"]]
@@ -29,7 +31,10 @@ def model_comparison_table(result: dict) -> str:
     """compare_model's result: measured - predicted, one row per phase (and rank)."""
     cols = (["rank"] if "tensor_parallel" in result else []) + ["phase", "index"] + [
         f"difference_{k}" for k in COUNTER_KEYS]
-    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
+    allocator = "" if result.get("allocator_conf", "expandable_segments:False") == "expandable_segments:False" else (
+        f"; replayed under {result['allocator_conf']}")
+    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}"
+            f"{allocator}\n"
             + _right_aligned_table(result["rows"], cols))
 
 
@@ -40,6 +45,8 @@ def model_fit_table(result: dict) -> str:
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
     if "tensor_parallel" in result:
         lines.append(f"tensor parallel {result['tensor_parallel']}: the budget and every figure are one rank's")
+    if result.get("allocator_conf") == "expandable_segments:True":
+        lines.append("allocator: expandable_segments:True (pages mapped as segments grow)")
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
                      f"{'fits' if result['fits'] else 'does NOT fit'}"

@@ -1,7 +1,9 @@
 """Predicting the synthetic network's allocator counters per phase, and comparing a measurement with its prediction."""
 import math
 
-from lab_helpers.allocator.model import AllocatorModel, DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
+from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
+from lab_helpers.allocator.settings import (DEFAULT_SETTINGS, AllocatorSettings, parse_allocator_conf, recorded_settings,
+                                            replay_allocator)
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MAX_TENSOR_PARALLEL, MEASUREMENT_SCHEMA,
@@ -18,16 +20,23 @@ RESERVED_ASSUMPTIONS = (
     "retry), and free blocks of equal size taken in the order their segments were made")
 
 
+EXPANDABLE_RESERVED_ASSUMPTIONS = (
+    "a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (one segment per pool that grows "
+    "at its end in pages: 2 MiB for requests up to 1 MiB, 20 MiB for larger ones; no other setting), "
+    "enough free memory (no release of free pages and retry)")
+
+
 OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
     "not predicted: what NCCL holds outside PyTorch's allocator (its buffers and communicators) is "
     "measured per rank by measure, from the device's free memory")
 
 
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-            workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
-    """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
-    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS.
-    At tensor parallel N the document holds ``ranks`` (each rank's phases) instead of ``phases``."""
+            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+    """Predict allocated and reserved bytes per phase, from the allocator's rules alone (under the
+    `allocator` settings). Each phase also has ``end_allocated_bytes_by_kind``: its end allocated
+    bytes split into ALLOCATION_KINDS. At tensor parallel N the document holds ``ranks`` (each
+    rank's phases) instead of ``phases``."""
     workspace_bytes = tuple(workspace_bytes)
     _check_workspace(workspace_bytes)
     document = {
@@ -36,28 +45,31 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "configuration": config.record(),
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
-        "reserved_assumptions": RESERVED_ASSUMPTIONS,
+        "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
-        document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features)
+        document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features, allocator)
         return document
     # Every rank runs the same requests in the same order: its shard of hidden / N features (N
     # divides hidden, checked when the config was built), the whole input, output and second bias.
     # The all-reduce is in place and allocates nothing in the caching allocator, so each rank's
     # replay is computed, not copied, with the same sizes.
     document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
-    document["ranks"] = [{"rank": rank, "phases": _replay_phases(config, workspace_bytes, config.shard_hidden)}
+    document["ranks"] = [{"rank": rank, "phases": _replay_phases(config, workspace_bytes, config.shard_hidden, allocator)}
                          for rank in range(config.tensor_parallel)]
     return document
 
 
-def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int) -> list:
+def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
+                   allocator: AllocatorSettings = DEFAULT_SETTINGS) -> list:
     """The phases of one process holding `hidden` features of the first Linear (all of them on one
-    GPU, hidden / N on each of N ranks), replayed on AllocatorModel."""
+    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`."""
     c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
-    alloc = AllocatorModel()
+    alloc = replay_allocator(allocator)
     live = {}
     phases = []
     held = dict.fromkeys(ALLOCATION_KINDS, 0)  # allocated bytes per kind, as the allocator counts them
@@ -172,10 +184,14 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     else:
         workspace = {"bytes": list(workspace_bytes), "source": "given on the command line"}
     _check_workspace(workspace["bytes"])
+    # the measurement is replayed under the settings its process ran with (its environment block)
+    allocator = recorded_settings(measurement.get("environment"))
+    if "environment" not in measurement and "allocator_conf" in measurement:  # a prediction's own setting
+        allocator = parse_allocator_conf(measurement["allocator_conf"], "$.allocator_conf")
     if not parallel:
-        return {"workspace": workspace,
+        return {"workspace": workspace, "allocator_conf": allocator.conf_text(),
                 **_compare_phases(config, measurement["phases"], tuple(workspace["bytes"]),
-                                  config.hidden_features, "$.phases")}
+                                  config.hidden_features, "$.phases", allocator)}
     ranks = measurement["ranks"]
     if len(ranks) != config.tensor_parallel:
         raise LabError(f"$.ranks: {len(ranks)} ranks, but tensor_parallel is {config.tensor_parallel}")
@@ -184,10 +200,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
         if rank["rank"] != i:
             raise LabError(f"$.ranks[{i}].rank: {rank['rank']}, but ranks are listed in order from 0")
         compared = _compare_phases(config, rank["phases"], tuple(workspace["bytes"]), config.shard_hidden,
-                                   f"$.ranks[{i}].phases")
+                                   f"$.ranks[{i}].phases", allocator)
         results.append({"rank": i, "device": rank.get("device"), "outside_allocator": rank.get("outside_allocator"),
                         **compared})
-    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace,
+    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace, "allocator_conf": allocator.conf_text(),
             "allocated_exact": all(r["allocated_exact"] for r in results), "ranks": results}
 
 
@@ -198,10 +214,11 @@ def _check_workspace(workspace_bytes) -> None:
         parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
 
 
-def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str) -> dict:
+def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,
+                    allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
-    bare = _replay_phases(config, (), hidden)
-    predicted = _replay_phases(config, workspace_bytes, hidden)
+    bare = _replay_phases(config, (), hidden, allocator)
+    predicted = _replay_phases(config, workspace_bytes, hidden, allocator)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
         raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
