@@ -37,8 +37,10 @@ real_models() {  # the transformers acceptance and the real-model notebook
 the_rest() {  # every other gpu test, the other notebooks, the kit, the benchmark, executed copies
   local failed=0
   "${pytest[@]}" -m gpu tests --ignore=tests/test_gpu_real_model.py --ignore=tests/test_gpu_tensor_parallel.py \
-      --ignore=tests/test_gpu_real_model_tp.py \
+      --ignore=tests/test_gpu_real_model_tp.py --ignore=tests/test_gpu_budget_rule.py \
       > "$out/pytest-gpu.log" 2>&1 || failed=1
+  # alone: its usable-memory probe must find no CUDA context of an earlier test in the same process
+  "${pytest[@]}" -m gpu tests/test_gpu_budget_rule.py > "$out/pytest-gpu-budget-rule.log" 2>&1 || failed=1
   "${pytest[@]}" --nbval-lax $(ls notebooks/*.ipynb | grep -v real-model) \
       > "$out/nbval.log" 2>&1 || failed=1
   {
