@@ -31,6 +31,8 @@ from lab_helpers.synthetic.network import MeasureConfig
 from lab_helpers.synthetic.predict import MAX_WORKSPACE_BLOCKS, MAX_WORKSPACE_BYTES, compare, predict
 from lab_helpers.synthetic.tables import compare_table, predict_table
 from lab_helpers.synthetic.tensor_parallel import measure_tensor_parallel
+from lab_helpers.synthetic.train_commands import (add_train_flags, compare_train_command, measure_train_command,
+                                                  predict_train_command, refuse_train_flags)
 
 
 COMMANDS = {
@@ -121,6 +123,7 @@ def add_measure_arguments(p) -> None:
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
     add_timeline_flags(p)
+    add_train_flags(p)
 
 
 def add_predict_arguments(p) -> None:
@@ -129,6 +132,7 @@ def add_predict_arguments(p) -> None:
                              f"{MAX_TENSOR_PARALLEL}; N must divide --hidden")
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
+    add_train_flags(p)
     _format_flag(p)
 
 
@@ -203,6 +207,9 @@ def handle_environment(args) -> int:
 
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
+    if args.task == "train":
+        return predict_train_command(args, _config_from(args), workspace)
+    refuse_train_flags(args)
     if workspace is None:
         result = predict(_config_from(args))
     else:
@@ -214,6 +221,8 @@ def handle_predict(args) -> int:
 def handle_compare(args) -> int:
     workspace = _workspace_from(args)
     document = read_measurement(args.measurement)
+    if document["configuration"].get("task") == "train":
+        return compare_train_command(args, document, workspace)
     result = compare(document, workspace)
     print_result(args, result, compare_table)
     return EXIT_FAILURE if args.fail_on_difference and not result["allocated_exact"] else EXIT_OK
@@ -222,6 +231,9 @@ def handle_compare(args) -> int:
 def handle_measure(args) -> int:
     config = _config_from(args)
     check_new_output(args.output)
+    if args.task == "train":
+        return measure_train_command(args, config)
+    refuse_train_flags(args)
     try:
         if config.tensor_parallel is not None:
             result = measure_tensor_parallel_command(args, config)
