@@ -176,9 +176,18 @@ MEASUREMENT_SCHEMA = {
         },
         "transformers_configuration": {
             "type": "object",
-            "required": ["kind", "config_name", "dtype", "batch", "context", "new_tokens", "device", "seed",
-                         "decode_record_every"],
+            "required": ["kind", "config_name", "dtype", "batch", "context", "device", "seed"],
+            # inference: new_tokens and decode_record_every; --task train: the training keys instead
+            "if": {"required": ["task"]},
+            "then": {"required": ["steps", "optimizer", "fused", "train", "gradient_checkpointing"]},
+            "else": {"required": ["new_tokens", "decode_record_every"]},
             "properties": {
+                "task": {"const": "train"},
+                "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
+                "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
+                "fused": {"type": "boolean"},
+                "train": {"enum": ["full"]},
+                "gradient_checkpointing": {"type": "boolean"},
                 "kind": {"const": "transformers"},
                 "config_name": {"type": "string", "minLength": 1},
                 "dtype": {"$ref": "#/$defs/dtype"},
