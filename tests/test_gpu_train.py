@@ -104,3 +104,22 @@ def test_two_layers_of_qwen_full_fine_tuning(tmp_path, flags):
             assert row[f"difference_{key}"] == 0, (where, key, row)
         assert abs(row["difference_peak_allocated_bytes"]) <= row["measured_peak_allocated_bytes"] * 0.001, (where, row)
         assert abs(row["difference_peak_reserved_bytes"]) <= row["measured_peak_reserved_bytes"] * 0.01, (where, row)
+
+
+def test_two_layers_of_qwen_lora(tmp_path):
+    # the GPU image has no peft of its own: install the wheel the lab pins (peft==0.21.2) first
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): the LoRA run was NOT checked")
+    out = tmp_path / "lora.json"
+    proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config", str(_qwen_two_layers(tmp_path)),
+               "--dtype", "bfloat16", "--batch", "2", "--context", "64", "--steps", "2", "--train", "lora",
+               "--lora-rank", "8", "--device", CHILD_DEVICE, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = compare_training_model(json.loads(out.read_text()))
+    for row in result["rows"]:
+        report({"model": "qwen1.5-0.5b, 2 layers", "flags": ["--train", "lora", "--lora-rank", "8"], **row})
+    for row in result["rows"]:
+        where = f"{row['phase']} {row['index']}"
+        for key in ("baseline_allocated_bytes", "end_allocated_bytes"):
+            assert row[f"difference_{key}"] == 0, (where, key, row)
+        assert abs(row["difference_peak_allocated_bytes"]) <= row["measured_peak_allocated_bytes"] * 0.001, (where, row)
+        assert abs(row["difference_peak_reserved_bytes"]) <= row["measured_peak_reserved_bytes"] * 0.01, (where, row)

@@ -145,7 +145,6 @@ def run_main(capsys, *argv):
 
 @pytest.mark.parametrize("extra, message", [
     (("--task", "train", "--steps", "1"), "--steps: must be >= 2"),
-    (("--task", "train", "--train", "lora"), "--train lora is not available yet"),
     (("--task", "train", "--train", "qlora"), "bitsandbytes"),
     (("--task", "train", "--autocast", "bfloat16"), "autocast does not act on tensors of the meta device"),
     (("--task", "train", "--tensor-parallel", "2"), "tensor-parallel training is out of scope"),
@@ -168,3 +167,39 @@ def test_measure_refuses_before_touching_a_file(capsys, tmp_path):
     code, _, err = run_main(capsys, "measure", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8",
                             "--task", "train", "--train", "qlora", "--output", output)
     assert code == 2 and "bitsandbytes" in err[0] and not output.exists()
+
+
+def test_lora_trains_rank_times_in_plus_out_per_target():
+    pytest.importorskip("peft")
+    shape = parse_config(qwen_two_layers(), "qwen1.5-0.5b")
+    rank = 8
+    document = predict_training_model(shape, TrainSpec(shape.name, batch=1, context=16, steps=2, train="lora",
+                                                       lora_rank=rank, lora_targets=("q_proj", "v_proj")))
+    hidden, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    # adapters in float32 (peft casts them up from the bfloat16 base): A is rank x in, B is out x rank
+    per_layer = rank * (hidden + hidden) * 4 + rank * (hidden + kv) * 4
+    trainable = shape.layers * per_layer
+    phases = {(p["phase"], p["index"]): p for p in document["phases"]}
+    assert phases[("backward", 0)]["end_allocated_bytes_by_kind"]["gradients"] == trainable
+    first = phases[("optimizer_step", 0)]
+    assert first["end_allocated_bytes"] - first["baseline_allocated_bytes"] == 2 * trainable
+    assert document["configuration"]["lora_rank"] == rank
+    assert measurement_problems(measurement_from(document)) == []
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--lora-rank", "0"), "--lora-rank: must be > 0"),
+    (("--lora-rank", "4", "--lora-targets", "q_proj", "nope"), "--lora-targets nope: no such linear layer"),
+    ((), "--lora-rank must be a whole number"),
+])
+def test_bad_lora_input_is_one_line_and_exit_2(capsys, extra, message):
+    pytest.importorskip("peft")
+    code, out, err = run_main(capsys, "predict", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8",
+                              "--task", "train", "--train", "lora", *extra)
+    assert code == 2 and out == "" and len(err) == 1 and message in err[0], err
+
+
+def test_lora_flags_need_train_lora(capsys):
+    code, _, err = run_main(capsys, "predict", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8",
+                            "--task", "train", "--lora-rank", "4")
+    assert code == 2 and "need --train lora" in err[0]

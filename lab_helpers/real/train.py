@@ -21,6 +21,8 @@ TRAIN_MODES = ("full", "lora", "qlora")
 LEARNING_RATE = 1e-3  # the values never change the bytes
 SGD_MOMENTUM = 0.9
 MAX_TRAIN_TOKENS = 2**22  # batch x context of one step
+MAX_LORA_RANK = 65536
+LORA_DROPOUT = 0.0  # dropout would allocate a mask per target; the lab measures without it
 # embedding_dense_backward on CUDA takes a sort-based path from this many indices on, whose
 # temporaries (sorted indices, counts, segment offsets) are not traced
 EMBEDDING_DIRECT_MAX_TOKENS = 3072
@@ -54,9 +56,13 @@ class TrainSpec:
     gradient_checkpointing: bool = False
     device: str = "cuda:0"
     seed: int = 0
+    lora_rank: "int | None" = None
+    lora_targets: "tuple | None" = None  # None: peft's default targets for the model type
 
     def __post_init__(self):
         parse_device(self.device)
+        if isinstance(self.lora_targets, list):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.dtype not in DTYPE_BYTES:
             raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, low, high in (("batch", 1, MAX_MODEL_BATCH), ("context", 2, MAX_MODEL_CONTEXT),
@@ -71,8 +77,16 @@ class TrainSpec:
         if self.fused and self.optimizer != "adamw":
             raise LabError("--fused is for --optimizer adamw only")
         if self.train == "lora":
-            raise LabError("--train lora is not available yet: peft is not part of this installation; "
-                           "use --train full")
+            rank = self.lora_rank
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
+                raise LabError(f"--lora-rank must be a whole number from 1 to {MAX_LORA_RANK} with --train lora, "
+                               f"got {rank!r}")
+            targets = self.lora_targets
+            if targets is not None and (not isinstance(targets, tuple) or not targets or len(targets) > 64
+                                        or not all(isinstance(t, str) and t.isidentifier() for t in targets)):
+                raise LabError("--lora-targets must name modules, such as q_proj v_proj (1 to 64 names)")
+        elif self.lora_rank is not None or self.lora_targets is not None:
+            raise LabError("--lora-rank and --lora-targets need --train lora")
         if self.train == "qlora":
             raise LabError("--train qlora needs bitsandbytes' 4-bit kernels, which run on CUDA only: they cannot "
                            "be traced on meta, and bitsandbytes is not on the lab's GPU image")
@@ -82,7 +96,12 @@ class TrainSpec:
             raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
 
     def record(self) -> dict:
-        return {"kind": "transformers", "task": "train", **asdict(self)}
+        record = {"kind": "transformers", "task": "train", **asdict(self)}
+        if self.train != "lora":
+            del record["lora_rank"], record["lora_targets"]
+        elif self.lora_targets is not None:
+            record["lora_targets"] = list(self.lora_targets)
+        return record
 
     @property
     def implementation(self) -> str:
@@ -111,13 +130,16 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase) -> 
             model = action().train()
             if spec.gradient_checkpointing:
                 model.gradient_checkpointing_enable()  # transformers' own: non-reentrant torch.utils.checkpoint
+            if spec.train == "lora":
+                model = wrap_lora(model, spec)
             return model
         state["model"] = phase("model_load", load, None, state)
 
     run_protocol(shape, RunSpec(shape.name, dtype=spec.dtype, device=spec.device, seed=spec.seed), device,
                  build, stop_after="model_load")
     # built outside any phase: the constructor allocates nothing on the device
-    state["optimizer"] = make_model_optimizer(torch, state["model"].parameters(), spec, device.type)
+    trained = [p for p in state["model"].parameters() if p.requires_grad]
+    state["optimizer"] = make_model_optimizer(torch, trained, spec, device.type)
 
     def make_inputs():
         size = (spec.batch, spec.context)
@@ -147,6 +169,63 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase) -> 
         for name, action in zip(TRAIN_STEP_PHASES, (forward, backward, optimizer_step, zero_grad)):
             phase(name, action, step, state)
     state.clear()
+
+
+def import_peft():
+    try:
+        import peft
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "peft":
+            raise
+        raise LabError("--train lora needs peft (pip install peft==0.21.2, the version the lab is checked "
+                       "with); it is not installed") from None
+    return peft
+
+
+def wrap_lora(model, spec: TrainSpec):
+    """The model with peft's LoRA adapters on `spec.lora_targets` (peft's defaults when None), the
+    base frozen, as a user wraps it (get_peft_model, lora_alpha = 2 x rank, no dropout)."""
+    peft = import_peft()
+    config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, lora_dropout=LORA_DROPOUT,
+                             target_modules=list(spec.lora_targets) if spec.lora_targets else None,
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        first = (str(exc).strip().splitlines() or ["ValueError"])[0][:300]
+        raise LabError(f"peft cannot wrap this model with LoRA: {first}") from None
+
+
+def check_lora_targets(shape: ModelShape, spec: TrainSpec) -> None:
+    """Refuse, before any GPU work, a LoRA target that names no module of the model (checked on a
+    one-layer copy built on meta) and a model type peft has no default targets for."""
+    if spec.train != "lora":
+        return
+    import_peft()
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lab_helpers.real.protocol import transformers_config
+    hf_config = copy.deepcopy(transformers_config(shape))
+    hf_config.num_hidden_layers = 1
+    if getattr(hf_config, "layer_types", None):
+        hf_config.layer_types = hf_config.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    if spec.lora_targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+        defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(shape.model_type)
+        if not defaults:
+            raise LabError(f"peft has no default LoRA targets for model type {shape.model_type!r}: name them with "
+                           f"--lora-targets (linear layers of this model: {', '.join(sorted(linear))})")
+        return
+    missing = [t for t in spec.lora_targets if t not in linear]
+    if missing:
+        raise LabError(f"--lora-targets {' '.join(missing)}: no such linear layer in this model (it has "
+                       f"{', '.join(sorted(linear))})")
 
 
 def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:

@@ -10,8 +10,8 @@ from lab_helpers.core.tables import format_bytes, text_table
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
 from lab_helpers.real.config import load_config
-from lab_helpers.real.train import (TRAIN_MODES, TrainSpec, compare_training_model, measure_training_model,
-                                    predict_training_model)
+from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
+                                    compare_training_model, measure_training_model, predict_training_model)
 
 
 def add_model_train_flags(parser) -> None:
@@ -20,8 +20,8 @@ def add_model_train_flags(parser) -> None:
                         help="inference (default: prefill and decode, needs --new-tokens) or train: forward with "
                              "the causal-LM loss, backward, optimizer_step and zero_grad per step")
     parser.add_argument("--train", choices=TRAIN_MODES, default=None,
-                        help="with --task train: what is trained; full (default: every parameter); lora and "
-                             "qlora are refused with the reason")
+                        help="with --task train: what is trained; full (default: every parameter), lora (peft's "
+                             "adapters on a frozen base, needs --lora-rank); qlora is refused with the reason")
     parser.add_argument("--steps", type=whole_number(2, MAX_TRAIN_STEPS), default=None,
                         help=f"with --task train: optimizer steps, 2 to {MAX_TRAIN_STEPS} (default 3)")
     parser.add_argument("--optimizer", choices=TRAIN_OPTIMIZERS, default=None,
@@ -31,6 +31,11 @@ def add_model_train_flags(parser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="with --task train: transformers' gradient checkpointing (backward recomputes each "
                              "layer's forward instead of keeping its activations)")
+    parser.add_argument("--lora-rank", type=whole_number(1, MAX_LORA_RANK), default=None, metavar="R",
+                        help=f"with --train lora: the adapters' rank, 1 to {MAX_LORA_RANK} (lora_alpha 2R, no dropout)")
+    parser.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                        help="with --train lora: the linear layers that get adapters, by name (default: peft's "
+                             "defaults for the model type, q_proj v_proj for Llama and Qwen2)")
     parser.add_argument("--autocast", choices=("bfloat16",), default=None,
                         help="with --task train: fp32 weights under bf16 autocast; refused for now (autocast does "
                              "not act on the meta device, so it cannot be predicted)")
@@ -38,7 +43,7 @@ def add_model_train_flags(parser) -> None:
 
 TRAIN_ONLY_FLAGS = (("--train", "train"), ("--steps", "steps"), ("--optimizer", "optimizer"),
                     ("--fused", "fused"), ("--gradient-checkpointing", "gradient_checkpointing"),
-                    ("--autocast", "autocast"))
+                    ("--autocast", "autocast"), ("--lora-rank", "lora_rank"), ("--lora-targets", "lora_targets"))
 
 
 def refuse_model_train_flags(args) -> None:
@@ -62,7 +67,8 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0) -> Tra
     return TrainSpec(config_name, dtype=args.dtype, batch=args.batch, context=args.context,
                      steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw",
                      fused=args.fused, train=args.train or "full", gradient_checkpointing=args.gradient_checkpointing,
-                     device=device, seed=seed)
+                     device=device, seed=seed, lora_rank=args.lora_rank,
+                     lora_targets=None if args.lora_targets is None else tuple(args.lora_targets))
 
 
 def _print(args, result, table) -> None:
@@ -72,7 +78,9 @@ def _print(args, result, table) -> None:
 def predict_train_model_command(args) -> int:
     train_spec_from_args(args, "unread")  # every flag checked before the config is read
     shape = load_config(args.config)
-    _print(args, predict_training_model(shape, train_spec_from_args(args, shape.name)), train_prediction_table)
+    spec = train_spec_from_args(args, shape.name)
+    check_lora_targets(shape, spec)
+    _print(args, predict_training_model(shape, spec), train_prediction_table)
     return EXIT_OK
 
 
@@ -85,6 +93,7 @@ def measure_train_model_command(args) -> int:
     check_new_output(output)
     shape = load_config(args.config)
     spec = train_spec_from_args(args, shape.name, device, args.seed)
+    check_lora_targets(shape, spec)
     try:
         document = measure_training_model(shape, spec)
     except PhaseError as exc:
