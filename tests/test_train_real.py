@@ -203,3 +203,25 @@ def test_lora_flags_need_train_lora(capsys):
     code, _, err = run_main(capsys, "predict", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8",
                             "--task", "train", "--lora-rank", "4")
     assert code == 2 and "need --train lora" in err[0]
+
+
+def test_fit_task_train_gives_the_boundary_its_predictions_show():
+    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.real.train_fit import fit_training
+    shape = parse_config(dict(TINY, num_hidden_layers=2), "tiny")
+    base = TrainSpec("tiny", dtype="float32", batch=1, context=128)
+    budget = 120_000_000
+    result = fit_training(shape, base, budget, "given", context=128)
+    largest = result["largest_batch_at_context"]
+    assert largest >= 1
+    fitting = predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=largest, context=128, steps=2),
+                                     budget)
+    assert fitting["overall"]["peak_reserved_bytes"] <= budget
+    with pytest.raises(OutOfMemory):
+        predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=largest + 1, context=128, steps=2), budget)
+
+
+def test_fit_task_train_refuses_the_card(capsys):
+    code, _, err = run_main(capsys, "fit", "--config", "qwen1.5-0.5b", "--task", "train", "--card", "--batch", "1",
+                            "--context", "8", "--days", "7")
+    assert code == 2 and len(err) == 1 and "--card prices inference runs only" in err[0], err

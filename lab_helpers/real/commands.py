@@ -34,8 +34,8 @@ from lab_helpers.real.protocol import measure_model
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
 from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
 from lab_helpers.real.train_commands import (add_model_train_flags, compare_train_model_command,
-                                             measure_train_model_command, predict_train_model_command,
-                                             refuse_model_train_flags)
+                                             fit_train_command, measure_train_model_command,
+                                             predict_train_model_command, refuse_model_train_flags)
 
 COMMANDS = {
     "predict": "per-phase allocated and reserved bytes, no GPU needed",
@@ -130,6 +130,7 @@ def add_fit_arguments(p) -> None:
                         "the cost per accepted result (rounded half up to the cent, as calcul_forfaits does)")
     p.add_argument("--tariffs", metavar="PATH",
                    help="with --card: a rate card CSV (default data/tarifs-forfaits.csv)")
+    add_model_train_flags(p)
     _format_flag(p)
 
 
@@ -183,8 +184,9 @@ def handle_compare(args) -> int:
 
 
 def handle_fit(args) -> int:
-    if args.new_tokens is None:
-        raise LabError("the following arguments are required: --new-tokens")
+    if args.task == "train":
+        return fit_train_command(args)
+    refuse_model_train_flags(args)
     check_card_flags(args)  # before the config is read
     shape = load_config(args.config)
     if args.card:

@@ -255,12 +255,15 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
             "configuration": spec.record(), "model": model_description(shape, spec.dtype), "phases": phases}
 
 
-def predict_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
-    """Predict allocated and reserved bytes of every training phase, tracing the run on meta."""
+def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
+    """Predict allocated and reserved bytes of every training phase, tracing the run on meta. With
+    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.real.tracer's
+    OutOfMemory when the run does not fit."""
     import torch
 
+    from lab_helpers.real.tracer import CappedAllocator
     from lab_helpers.real.train_trace import TrainingTracer
-    tracer = TrainingTracer()
+    tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
     alloc = tracer.allocator
     phases = []
     overall = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}

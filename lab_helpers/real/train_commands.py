@@ -10,6 +10,7 @@ from lab_helpers.core.tables import format_bytes, text_table
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
 from lab_helpers.real.config import load_config
+from lab_helpers.real.fit import gpu_budget, usable_memory_bytes
 from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
                                     compare_training_model, measure_training_model, predict_training_model)
 
@@ -55,7 +56,7 @@ def refuse_model_train_flags(args) -> None:
         raise LabError("the following arguments are required: --new-tokens (or give --task train)")
 
 
-def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0) -> TrainSpec:
+def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=None) -> TrainSpec:
     """The run the flags describe (checked before the config is read: pass a placeholder name)."""
     if args.new_tokens is not None:
         raise LabError("--new-tokens is for inference; --task train runs --steps optimizer steps instead")
@@ -64,7 +65,8 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0) -> Tra
     if args.autocast is not None:
         raise LabError("--autocast bfloat16 cannot be predicted: autocast does not act on tensors of the meta "
                        "device, where the prediction runs; train with --dtype bfloat16 or float32 weights")
-    return TrainSpec(config_name, dtype=args.dtype, batch=args.batch, context=args.context,
+    batch, context = sizes or (args.batch, args.context)
+    return TrainSpec(config_name, dtype=args.dtype, batch=batch, context=context,
                      steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw",
                      fused=args.fused, train=args.train or "full", gradient_checkpointing=args.gradient_checkpointing,
                      device=device, seed=seed, lora_rank=args.lora_rank,
@@ -102,6 +104,47 @@ def measure_train_model_command(args) -> int:
     write_new_json(output, document)
     print(json.dumps({"output": str(output), "phases": len(document["phases"])}, indent=2))
     return EXIT_OK
+
+
+def fit_train_command(args) -> int:
+    """fit --task train: the budget as inference's fit takes it, then the training search."""
+    from lab_helpers.real.train_fit import fit_training
+    if args.card:
+        raise LabError("fit --card prices inference runs only for now; leave --card out with --task train")
+    # the search sets the sizes; a given --batch or --context is checked here first
+    sizes = (args.batch or 1, args.context or 2)
+    train_spec_from_args(args, "unread", sizes=sizes)
+    shape = load_config(args.config)
+    spec = train_spec_from_args(args, shape.name, sizes=sizes)
+    check_lora_targets(shape, spec)
+    if args.gpu:
+        budget, source = gpu_budget(args.gpu)
+    elif args.memory_bytes:
+        budget, source = args.memory_bytes, "given with --memory-bytes"
+    else:
+        device = args.device or "cuda:0"
+        budget = usable_memory_bytes(device)
+        source = f"usable memory of {device}, measured now in a fresh child process"
+    _print(args, fit_training(shape, spec, budget, source, args.batch, args.context), train_fit_table)
+    return EXIT_OK
+
+
+def train_fit_table(result: dict) -> str:
+    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
+             f"training: {result['train']} fine-tuning, {result['optimizer']}"
+             + (", gradient checkpointing" if result["gradient_checkpointing"] else "")]
+    if "fits" in result:
+        lines.append(f"batch {result['batch']} x context {result['context']}: "
+                     + (f"fits, peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                        if result["fits"] else "does NOT fit"))
+    if "largest_context_at_batch" in result:
+        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']}")
+    if "largest_batch_at_context" in result:
+        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']}")
+    if "bounded" in result:
+        lines.append(f"note: {result['bounded']}")
+    lines.append(f"criterion: {result['criterion']}")
+    return "\n".join(lines)
 
 
 def compare_train_model_command(args, document: dict) -> int:
