@@ -151,6 +151,7 @@ def run_main(capsys, *argv):
     (("--task", "train", "--new-tokens", "4"), "--new-tokens is for inference"),
     (("--task", "train", "--optimizer", "sgd", "--fused"), "--fused is for --optimizer adamw only"),
     (("--task", "train", "--context", "1"), "--context must be a whole number from 2"),
+    (("--task", "train", "--context", "40000"), "beyond the model's 32768 positions"),
     (("--gradient-checkpointing", "--new-tokens", "4"), "--gradient-checkpointing needs --task train"),
     ((), "--new-tokens"),
 ])

@@ -73,6 +73,14 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=
                      lora_targets=None if args.lora_targets is None else tuple(args.lora_targets))
 
 
+def check_train_positions(shape, args) -> None:
+    """A training sequence longer than the model's positions is refused unless --beyond-positions."""
+    if (shape.max_positions and args.context is not None and args.context > shape.max_positions
+            and not getattr(args, "beyond_positions", False)):
+        raise LabError(f"--context {args.context} is beyond the model's {shape.max_positions} positions (config key "
+                       "'max_position_embeddings'); give --beyond-positions to run it anyway")
+
+
 def _print(args, result, table) -> None:
     print(table(result) if getattr(args, "format", "json") == "table" else json.dumps(result, indent=2))
 
@@ -80,6 +88,7 @@ def _print(args, result, table) -> None:
 def predict_train_model_command(args) -> int:
     train_spec_from_args(args, "unread")  # every flag checked before the config is read
     shape = load_config(args.config)
+    check_train_positions(shape, args)
     spec = train_spec_from_args(args, shape.name)
     check_lora_targets(shape, spec)
     _print(args, predict_training_model(shape, spec), train_prediction_table)
@@ -94,6 +103,7 @@ def measure_train_model_command(args) -> int:
     output = Path(args.output)
     check_new_output(output)
     shape = load_config(args.config)
+    check_train_positions(shape, args)
     spec = train_spec_from_args(args, shape.name, device, args.seed)
     check_lora_targets(shape, spec)
     try:
