@@ -675,6 +675,16 @@ SCHEMA_VERSION = 1
 PHASES = ("model_load", "inputs", "cold_forward", "warmup", "warm_forward")
 
 
+# --task train: after model_load and inputs, each optimizer step records these four phases
+TRAIN_STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+
+
+TRAIN_OPTIMIZERS = ("adamw", "sgd")
+
+
+MAX_TRAIN_STEPS = 1000
+
+
 COUNTERS = ("allocated", "reserved")
 
 
@@ -748,7 +758,8 @@ MEASUREMENT_SCHEMA = {
     "then": {"required": ["model"], "properties": {
         "configuration": {"$ref": "#/$defs/transformers_configuration"},
         "synthetic_model": False,
-        "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}},
+        "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode",
+                                                                *TRAIN_STEP_PHASES]}}}},
         "ranks": {"items": {"properties": {"phases": {"items": {"properties": {
             "phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}}}}},
     }},
@@ -757,7 +768,7 @@ MEASUREMENT_SCHEMA = {
         "synthetic_model": {"$ref": "#/$defs/synthetic_model"},
         "model": False,
         "phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
-                   "items": {"properties": {"phase": {"enum": list(PHASES)}}}},
+                   "items": {"properties": {"phase": {"enum": [*PHASES, *TRAIN_STEP_PHASES]}}}},
         "ranks": {"items": {"properties": {"phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
                                                       "items": {"properties": {"phase": {"enum": list(PHASES)}}}}}}},
     }},
@@ -802,6 +813,11 @@ MEASUREMENT_SCHEMA = {
                 "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
                 "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
                 "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_TENSOR_PARALLEL},
+                # --task train only (an inference file has none of these keys)
+                "task": {"const": "train"},
+                "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
+                "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
+                "fused": {"type": "boolean"},
             },
         },
         "rank": {
@@ -822,9 +838,20 @@ MEASUREMENT_SCHEMA = {
         },
         "transformers_configuration": {
             "type": "object",
-            "required": ["kind", "config_name", "dtype", "batch", "context", "new_tokens", "device", "seed",
-                         "decode_record_every"],
+            "required": ["kind", "config_name", "dtype", "batch", "context", "device", "seed"],
+            # inference: new_tokens and decode_record_every; --task train: the training keys instead
+            "if": {"required": ["task"]},
+            "then": {"required": ["steps", "optimizer", "fused", "train", "gradient_checkpointing"]},
+            "else": {"required": ["new_tokens", "decode_record_every"]},
             "properties": {
+                "task": {"const": "train"},
+                "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
+                "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
+                "fused": {"type": "boolean"},
+                "train": {"enum": ["full", "lora"]},
+                "lora_rank": {"type": "integer", "minimum": 1},
+                "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
+                "gradient_checkpointing": {"type": "boolean"},
                 "kind": {"const": "transformers"},
                 "config_name": {"type": "string", "minLength": 1},
                 "dtype": {"$ref": "#/$defs/dtype"},
@@ -1872,6 +1899,14 @@ def recorded_environment_variables(environ=None) -> dict:
     environ = allocator_environment() if environ is None else environ
     return {name.lower(): (environ[name][:MAX_ALLOC_CONF_CHARS] if name in environ else None)
             for name in ALLOC_CONF_VARIABLES}
+
+
+def default_allocator_only(settings: AllocatorSettings, what: str) -> None:
+    """LabError when `what` (a run the lab models under the default allocator only) is asked under
+    expandable segments, so that no prediction silently assumes the other allocator."""
+    if settings.expandable_segments:
+        raise LabError(f"{what} is modelled under the default allocator only, not under expandable_segments:True "
+                       "(give --allocator-conf expandable_segments:False, or unset PYTORCH_CUDA_ALLOC_CONF)")
 
 
 def put_in_force(settings: AllocatorSettings, environ=None) -> None:
@@ -3663,6 +3698,550 @@ def measure_tensor_parallel(config: MeasureConfig, info: LaunchInfo, write=None,
     return document
 
 
+# ---- from lab_helpers/synthetic/train_trace.py: The synthetic network's training run traced on PyTorch's meta device: every CUDA allocation and release it makes, replayed on the allocator model.
+BACKWARD_WORKSPACE_NOTE = (
+    "the backward pass runs on the autograd engine's device thread, whose own cuBLAS handle gets its "
+    "own workspace (cuBLAS keys workspaces by handle and stream) at the first product of the first "
+    "backward: the size of the first forward workspace block, without cuBLASLt's")
+
+
+def training_tracer(allocator, forward_workspace_bytes: tuple, backward_workspace_bytes: tuple):
+    """A dispatch mode feeding every CUDA-equivalent allocation and release of meta-device code to
+    `allocator` (an AllocatorModel). Set its `backward` to True while the backward pass runs, so
+    that the backward thread's workspace is allocated at its first product."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    aten = torch.ops.aten
+    products = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                aten.linear.default, aten.matmul.default}
+
+    class TrainingTracer(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.allocator = allocator
+            self.live = {}  # storage key -> (weak reference, allocator block)
+            self.backward = False
+            self.workspace_ready = {False: False, True: False}  # per thread: forward, backward
+            self.workspace_blocks = []
+
+        def collect(self) -> None:
+            """Release every traced storage that no tensor refers to any more."""
+            for key, (ref, block) in list(self.live.items()):
+                if ref.expired():
+                    del self.live[key]
+                    self.allocator.free(block)
+
+        def block_of(self, tensor):
+            """The allocator block of a traced tensor's storage (None when untraced: a CPU tensor)."""
+            entry = self.live.get(tensor.untyped_storage()._cdata)
+            return None if entry is None else entry[1]
+
+        def track(self, result, inputs) -> None:
+            held = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(result):
+                if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+                    continue  # the optimizer's step counters live on the host
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in held:
+                    continue  # a view or an in-place result: no new memory
+                self.collect()
+                entry = self.live.get(key)
+                if entry is not None:
+                    if not entry[0].expired():
+                        continue
+                    del self.live[key]
+                    self.allocator.free(entry[1])
+                if storage.nbytes() == 0:
+                    continue  # the caching allocator hands out no block for 0 bytes
+                self.live[key] = (StorageWeakRef(storage), self.allocator.malloc(storage.nbytes()))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)
+            self.track(result, tree_leaves((args, kwargs)))
+            if func in products and not self.workspace_ready[self.backward]:
+                # the first product on a thread: its output first, then that handle's workspace
+                self.workspace_ready[self.backward] = True
+                self.collect()
+                sizes = backward_workspace_bytes if self.backward else forward_workspace_bytes
+                self.workspace_blocks += [self.allocator.malloc(size) for size in sizes]
+            return result
+
+    return TrainingTracer()
+
+
+def fused_on_meta():
+    """A context in which torch.optim accepts fused=True for meta parameters, so that the traced
+    step takes the fused kernel's path as it does on CUDA (torch checks the device type when the
+    optimizer is built; the fused kernels have meta versions)."""
+    import contextlib
+
+    import torch.optim.optimizer as optimizer_module
+
+    @contextlib.contextmanager
+    def context():
+        original = optimizer_module._get_fused_kernels_supported_devices
+        optimizer_module._get_fused_kernels_supported_devices = lambda: [*original(), "meta"]
+        try:
+            yield
+        finally:
+            optimizer_module._get_fused_kernels_supported_devices = original
+
+    return context()
+
+
+# ---- from lab_helpers/synthetic/training.py: Training the synthetic network: model_load, inputs, then per optimizer step forward (with the loss),
+DEFAULT_TRAIN_STEPS = 3
+
+
+LEARNING_RATE = 1e-3  # torch.optim.AdamW's default; the values never change the bytes
+
+
+SGD_MOMENTUM = 0.9  # a momentum buffer per parameter, created at the first step
+
+
+TRAIN_KINDS = ("weights", "inputs", "workspace", "gradients", "optimizer_states", "activations")
+
+
+TRAIN_NOTES = (
+    "the optimizer's states (AdamW: exp_avg and exp_avg_sq per parameter, in the parameter's dtype; "
+    "SGD: one momentum buffer) are created at the first optimizer_step: allocated jumps there by "
+    "their bytes; from the second step on, each step repeats the same requests (the steady state)",
+    "backward allocates the gradients (set to None again by zero_grad, which frees their blocks but "
+    "keeps the reserved segments) and frees the activations forward saved for it",
+    "not added: the staging buffer a CUDA reduction allocates when it splits one output across thread "
+    "blocks (the loss's mean over about 131072 values or more, a bias gradient's sum over many tokens); "
+    "it is freed within the op, so only peaks can differ, by a few KiB",
+)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a training run does beyond the network's sizes: optimizer steps and the optimizer.
+    Validated once, when built."""
+
+    steps: int = DEFAULT_TRAIN_STEPS
+    optimizer: str = "adamw"
+    fused: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int):
+            raise LabError(f"--steps must be an integer, got {type(self.steps).__name__}")
+        parse_whole(self.steps, "--steps", 2, MAX_TRAIN_STEPS)
+        if self.optimizer not in TRAIN_OPTIMIZERS:
+            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
+        if not isinstance(self.fused, bool):
+            raise LabError("fused must be true or false")
+        if self.fused and self.optimizer != "adamw":
+            raise LabError("--fused is for --optimizer adamw only (SGD runs its default foreach implementation)")
+
+    @property
+    def implementation(self) -> str:
+        """The kernel family of the optimizer's step on CUDA."""
+        return "fused" if self.fused else "foreach"
+
+    def record(self) -> dict:
+        """The training keys of a document's configuration."""
+        return {"task": "train", "steps": self.steps, "optimizer": self.optimizer, "fused": self.fused}
+
+
+def implementation_note(settings: TrainSettings) -> str:
+    """Which optimizer implementation runs on CUDA, and why, for the output."""
+    if settings.fused:
+        return ("AdamW(fused=True): torch._fused_adamw_, one kernel per step; its step counters are "
+                "one-element float32 tensors on the GPU, one per parameter")
+    name = "AdamW" if settings.optimizer == "adamw" else f"SGD(momentum={SGD_MOMENTUM})"
+    return (f"{name} with torch's default on CUDA for float parameters: foreach (torch.optim's "
+            "default picks foreach and never fused, unless fused=True is passed); "
+            + ("its step counters are float32 scalars on the host" if settings.optimizer == "adamw"
+               else "no step counter"))
+
+
+def settings_from_record(configuration: dict) -> TrainSettings:
+    return TrainSettings(steps=configuration["steps"], optimizer=configuration["optimizer"],
+                         fused=configuration["fused"])
+
+
+def make_optimizer(torch, parameters, settings: TrainSettings, device_type: str):
+    """The optimizer as a user builds it on CUDA. On meta, torch's default would be the per-tensor
+    loop (meta is not a foreach device), so the implementation CUDA takes is passed explicitly."""
+    chosen = {"fused": True} if settings.fused else ({} if device_type == "cuda" else {"foreach": True})
+    if settings.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=LEARNING_RATE, **chosen)
+    return torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=SGD_MOMENTUM, **chosen)
+
+
+def run_training(torch, device, config: MeasureConfig, settings: TrainSettings, phase) -> None:
+    """Build, feed, then `settings.steps` optimizer steps; `phase(name, action, index, state)` runs
+    each step. The same function runs on a GPU (measured) and on meta (traced)."""
+    dtype = getattr(torch, config.dtype)
+    hidden = config.hidden_features
+    state = {}
+
+    def load_model():
+        with torch.random.fork_rng(devices=[]):  # seed the CPU init without touching global RNG
+            torch.manual_seed(config.seed)
+            model = torch.nn.Sequential(torch.nn.Linear(config.width, hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(hidden, config.width))
+        # convert on the CPU, then copy: the device only ever holds the final tensors
+        state["model"] = model.to(dtype=dtype).to(device).train()
+
+    def make_inputs():
+        size = (config.batch, config.context, config.width)
+        if device.type == "meta":
+            state["x"] = torch.randn(size, device=device, dtype=dtype)
+        else:
+            generator = torch.Generator(device=device).manual_seed(config.seed)
+            state["x"] = torch.randn(size, generator=generator, device=device, dtype=dtype)
+
+    def forward():
+        # the loss: the mean square of the output; autograd keeps what backward needs
+        state["loss"] = state["model"](state["x"]).square().mean()
+
+    def backward():
+        state.pop("loss").backward()
+
+    def optimizer_step():
+        state["optimizer"].step()
+
+    def zero_grad():
+        state["optimizer"].zero_grad(set_to_none=True)
+
+    phase("model_load", load_model, None, state)
+    # built outside any phase: the constructor allocates nothing on the device
+    state["optimizer"] = make_optimizer(torch, state["model"].parameters(), settings, device.type)
+    phase("inputs", make_inputs, None, state)
+    for step in range(settings.steps):
+        for name, action in zip(TRAIN_STEP_PHASES, (forward, backward, optimizer_step, zero_grad)):
+            phase(name, action, step, state)
+    state.clear()
+
+
+def _document_base(config: MeasureConfig, settings: TrainSettings, kind: str) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "configuration": {**config.record(), **settings.record()},
+        "synthetic_model": synthetic_model(config),
+    }
+
+
+def measure_training(config: MeasureConfig, settings: TrainSettings) -> dict:
+    """Measure every training phase on the GPU and return the measurement document."""
+    torch = import_torch()
+    device = check_device(torch, config)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    env = environment_document(config.device, config.device_index, usable_memory_figure=False,
+                               usable_memory_probe=None)
+    phases = []
+
+    def phase(name, action, index, state):
+        passes = 1 if name in ("forward", "backward") else 0
+        phases.append(run_phase(torch, device, name, action, index=index, passes=passes,
+                                failed_as=name if index is None else f"{name} {index}")[0])
+
+    run_training(torch, device, config, settings, phase)
+    return {**_document_base(config, settings, "iteragpu-lab measurement"), "environment": env,
+            "phases": phases}
+
+
+def predict_training(config: MeasureConfig, settings: TrainSettings, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
+                     workspace_source: str = DEFAULT_WORKSPACE_SOURCE) -> dict:
+    """Predict allocated and reserved bytes of every training phase: the run traced on the meta
+    device, every request replayed on the allocator model. Each phase also has
+    ``end_allocated_bytes_by_kind`` (TRAIN_KINDS; they add up to end_allocated_bytes)."""
+    if config.tensor_parallel is not None:
+        raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
+    workspace_bytes = tuple(workspace_bytes)
+    torch = _import_torch_for_prediction()
+    backward_workspace = workspace_bytes[:1]
+    alloc = AllocatorModel()
+    tracer = training_tracer(alloc, workspace_bytes, backward_workspace)
+    phases = []
+
+    def phase(name, action, index, state):
+        tracer.collect()
+        base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        alloc.reset_peaks()
+        tracer.backward = name == "backward"
+        with tracer:
+            action()
+        tracer.backward = False
+        tracer.collect()
+        phases.append({
+            "phase": name, "index": index, "passes": 1 if name in ("forward", "backward") else 0,
+            "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
+            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
+            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+            "end_allocated_bytes_by_kind": _bytes_by_kind(tracer, state, alloc.allocated),
+        })
+
+    with fused_on_meta() if settings.fused else _nothing():
+        run_training(torch, torch.device("meta"), config, settings, phase)
+    return {
+        **_document_base(config, settings, "iteragpu-lab prediction"),
+        "optimizer": {"name": settings.optimizer, "implementation": settings.implementation,
+                      "note": implementation_note(settings)},
+        "workspace": {"bytes": list(workspace_bytes), "backward_bytes": list(backward_workspace),
+                      "source": workspace_source, "backward_note": BACKWARD_WORKSPACE_NOTE},
+        "reserved_assumptions": ("a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF), "
+                                 "enough free memory (no cache flush and retry)"),
+        "notes": list(TRAIN_NOTES),
+        "phases": phases,
+    }
+
+
+def _import_torch_for_prediction():
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "torch":
+            raise
+        raise LabError("predict --task train traces the run on torch's meta device: it needs torch "
+                       "(any build, no GPU)") from None
+    return torch
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _bytes_by_kind(tracer, state: dict, allocated: int) -> dict:
+    """Split the allocated bytes at a phase's end: the blocks of the parameters, their gradients, the
+    optimizer's state tensors, the inputs and the workspaces; the rest is what autograd keeps for
+    backward (and the loss)."""
+    held = dict.fromkeys(TRAIN_KINDS, 0)
+    seen = set()
+
+    def add(kind, tensor):
+        block = tracer.block_of(tensor)
+        if block is not None and id(block) not in seen:
+            seen.add(id(block))
+            held[kind] += block.size
+
+    model = state.get("model")
+    for parameter in model.parameters() if model is not None else ():
+        add("weights", parameter)
+        if parameter.grad is not None:
+            add("gradients", parameter.grad)
+    optimizer = state.get("optimizer")
+    for values in optimizer.state.values() if optimizer is not None else ():
+        for value in values.values():
+            if hasattr(value, "untyped_storage"):
+                add("optimizer_states", value)
+    if "x" in state:
+        add("inputs", state["x"])
+    held["workspace"] = sum(block.size for block in tracer.workspace_blocks)
+    held["activations"] = allocated - sum(held.values())
+    return held
+
+
+def optimizer_state_bytes(config: MeasureConfig, settings: TrainSettings) -> int:
+    """Allocated bytes of the optimizer's states once created: per parameter, AdamW's two moments
+    (and with fused=True its float32 step counter on the GPU) or SGD's momentum buffer, each one
+    block of the allocator (a multiple of 512 bytes)."""
+    element = DTYPE_BYTES[config.dtype]
+    shapes = synthetic_model(config)["parameter_shapes"].values()
+    total = 0
+    for shape in shapes:
+        count = 1
+        for n in shape:
+            count *= n
+        one = AllocatorModel.round_size(count * element)
+        if settings.optimizer == "adamw":
+            total += 2 * one + (AllocatorModel.round_size(4) if settings.fused else 0)
+        else:
+            total += one
+    return total
+
+
+# What compare needs of a training document: a synthetic configuration with the training keys, and phases
+TRAIN_COMPARABLE_SCHEMA = {
+    "type": "object",
+    "required": ["configuration", "phases"],
+    "properties": {
+        "configuration": {"allOf": [{"$ref": "#/$defs/synthetic_configuration"},
+                                    {"required": ["task", "steps", "optimizer", "fused"]}]},
+        "phases": {"type": "array", "minItems": 2 + 4 * 2, "maxItems": 2 + 4 * MAX_TRAIN_STEPS, "items": {
+            "type": "object",
+            "required": ["phase", "index", *(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak")
+                                             for counter in ("allocated", "reserved"))],
+            "properties": MEASUREMENT_SCHEMA["$defs"]["phase"]["properties"],
+        }},
+    },
+}
+
+
+def compare_training(measurement: dict, workspace_bytes=None) -> dict:
+    """A training measurement of the synthetic network beside its prediction; differences are
+    measured minus predicted, for every counter of every record."""
+    problem = next(schema_errors(measurement, TRAIN_COMPARABLE_SCHEMA, "$", MEASUREMENT_SCHEMA), None)
+    if problem:
+        raise LabError(f"not a training measurement: {problem[0]}: {problem[1]}")
+    configuration = measurement["configuration"]
+    settings = settings_from_record(configuration)
+    config = MeasureConfig(**{k: v for k, v in configuration.items()
+                              if k in MeasureConfig.__dataclass_fields__})
+    if workspace_bytes is None:
+        workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
+    else:
+        workspace = {"bytes": list(workspace_bytes), "source": "given on the command line"}
+    predicted = predict_training(config, settings, workspace["bytes"], workspace["source"])["phases"]
+    measured = measurement["phases"]
+    expected = [(p["phase"], p["index"]) for p in predicted]
+    if [(m["phase"], m["index"]) for m in measured] != expected:
+        raise LabError(f"$.phases: the records are not the {len(expected)} phases measure --task train writes "
+                       f"for {settings.steps} steps (model_load, inputs, then forward, backward, optimizer_step, "
+                       "zero_grad per step)")
+    rows = []
+    for got, want in zip(measured, predicted):
+        row = {"phase": got["phase"], "index": got["index"]}
+        for key in want:
+            if key.endswith("_bytes"):
+                row[f"measured_{key}"] = got[key]
+                row[f"predicted_{key}"] = want[key]
+                row[f"difference_{key}"] = got[key] - want[key]
+        rows.append(row)
+    differences = [k for k in rows[0] if k.startswith("difference_")]
+    return {
+        "task": "train",
+        "optimizer": {"name": settings.optimizer, "implementation": settings.implementation},
+        "workspace": workspace,
+        "allocated_exact": all(row[k] == 0 for row in rows for k in differences if "allocated" in k),
+        "exact": all(row[k] == 0 for row in rows for k in differences),
+        "rows": rows,
+    }
+
+
+# ---- from lab_helpers/synthetic/train_commands.py: The --task train flags of mesure_memoire's measure, predict and compare, what they run and their tables for people.
+def add_train_flags(parser) -> None:
+    """--task, --steps, --optimizer and --fused."""
+    parser.add_argument("--task", choices=("inference", "train"), default="inference",
+                        help="inference (default: cold, warm-up and warm forward passes) or train: forward with "
+                             "a loss, backward, optimizer_step and zero_grad per optimizer step")
+    parser.add_argument("--steps", type=whole_number(2, MAX_TRAIN_STEPS), default=None,
+                        help=f"with --task train: optimizer steps, 2 to {MAX_TRAIN_STEPS} (default "
+                             f"{DEFAULT_TRAIN_STEPS}); the first creates the optimizer's states, the second "
+                             "shows the steady state")
+    parser.add_argument("--optimizer", choices=TRAIN_OPTIMIZERS, default=None,
+                        help="with --task train: adamw (torch.optim.AdamW, default) or sgd (momentum 0.9), "
+                             "with torch's default implementation on CUDA (foreach)")
+    parser.add_argument("--fused", action="store_true",
+                        help="with --task train --optimizer adamw: AdamW(fused=True), one fused kernel per step")
+
+
+def _settings_from(args) -> TrainSettings:
+    return TrainSettings(steps=DEFAULT_TRAIN_STEPS if args.steps is None else args.steps,
+                         optimizer=args.optimizer or "adamw", fused=args.fused)
+
+
+def refuse_train_flags(args) -> None:
+    """--steps, --optimizer and --fused mean something with --task train only."""
+    given = [flag for flag, value in (("--steps", args.steps), ("--optimizer", args.optimizer),
+                                      ("--fused", args.fused or None)) if value is not None]
+    if given:
+        raise LabError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --task train")
+
+
+def check_train_arguments(args, config: MeasureConfig) -> TrainSettings:
+    """The training settings; inference-only flags given with --task train are refused."""
+    settings = _settings_from(args)
+    if config.tensor_parallel is not None:
+        raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
+    if (getattr(args, "timeline", None) is not None or getattr(args, "timeline_stacks", False)
+            or getattr(args, "timeline_max_entries", DEFAULT_MAX_ENTRIES) != DEFAULT_MAX_ENTRIES):
+        raise LabError("the --timeline flags record inference runs only; leave them out with --task train")
+    return settings
+
+
+def predict_train_command(args, config: MeasureConfig, workspace) -> int:
+    settings = check_train_arguments(args, config)
+    if workspace is None:
+        document = predict_training(config, settings)
+    else:
+        document = predict_training(config, settings, workspace, "given on the command line")
+    if args.format == "table":
+        print(train_predict_table(document))
+    else:
+        print(json.dumps(document, indent=2))
+    return EXIT_OK
+
+
+def measure_train_command(args, config: MeasureConfig) -> int:
+    settings = check_train_arguments(args, config)
+    try:
+        document = measure_training(config, settings)
+    except PhaseError as exc:
+        note = "no file written"
+        if args.failure_report is not None:
+            try:
+                write_new_json(args.failure_report, exc.report())
+                note += f"; failure report: {display_path(args.failure_report)}"
+            except LabError as write_error:
+                note += f"; failure report not written: {write_error}"
+        error_line(f"mesure_memoire: error: {exc}; {note}")
+        return EXIT_PHASE
+    write_new_json(args.output, document)
+    print(json.dumps({"output": display_path(args.output), "phases": len(document["phases"])}, indent=2))
+    return EXIT_OK
+
+
+def compare_train_command(args, document: dict, workspace) -> int:
+    result = compare_training(document, workspace)
+    if args.format == "table":
+        print(train_compare_table(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return EXIT_FAILURE if args.fail_on_difference and not result["allocated_exact"] else EXIT_OK
+
+
+def _train_label(record) -> str:
+    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+
+
+def train_predict_table(document: dict) -> str:
+    """Predicted end and peak per training phase, with the gradients' and the optimizer's bytes."""
+    c = document["configuration"]
+    header = ("phase", "end allocated", "peak allocated", "end reserved", "peak reserved", "gradients",
+              "optimizer states")
+    rows = [(_train_label(p), *(format_bytes(p[k]) for k in ("end_allocated_bytes", "peak_allocated_bytes",
+                                                         "end_reserved_bytes", "peak_reserved_bytes")),
+             format_bytes(p["end_allocated_bytes_by_kind"]["gradients"]),
+             format_bytes(p["end_allocated_bytes_by_kind"]["optimizer_states"])) for p in document["phases"]]
+    return "\n".join([
+        f"training prediction: batch {c['batch']}, context {c['context']}, width {c['width']}, hidden {c['hidden']}, "
+        f"{c['dtype']}, {c['steps']} steps, optimizer {c['optimizer']}",
+        text_table(header, rows),
+        f"optimizer: {document['optimizer']['note']}",
+        *(f"note: {n}" for n in document["notes"]),
+        f"workspace: {' + '.join(map(str, document['workspace']['bytes']))} bytes at the first forward product "
+        f"({document['workspace']['source']}), then {' + '.join(map(str, document['workspace']['backward_bytes']))} "
+        f"at the first backward product: {document['workspace']['backward_note']}",
+        f"reserved assumes: {document['reserved_assumptions']}",
+    ])
+
+
+def train_compare_table(result: dict) -> str:
+    header = ("phase", "measured peak allocated", "predicted", "difference B", "measured peak reserved",
+              "predicted", "difference B")
+    rows = [(_train_label(r), format_bytes(r["measured_peak_allocated_bytes"]),
+             format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
+             format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
+             f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]
+    return "\n".join([
+        text_table(header, rows),
+        f"optimizer: {result['optimizer']['name']} ({result['optimizer']['implementation']})",
+        f"allocated exact (baseline, end and peak of every phase): {'yes' if result['allocated_exact'] else 'no'}",
+        f"every counter exact (reserved too): {'yes' if result['exact'] else 'no'}",
+    ])
+
+
 # ---- from lab_helpers/synthetic/commands.py: GPU memory lab: estimate weight bytes, describe the environment, measure and
 COMMANDS = {
     "estimate": "weight bytes from a parameter count and a bit width (no GPU, no torch)",
@@ -3753,6 +4332,7 @@ def add_measure_arguments(p) -> None:
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
     add_timeline_flags(p)
+    add_train_flags(p)
 
 
 def add_predict_arguments(p) -> None:
@@ -3762,6 +4342,7 @@ def add_predict_arguments(p) -> None:
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
+    add_train_flags(p)
     _format_flag(p)
 
 
@@ -3837,6 +4418,10 @@ def handle_environment(args) -> int:
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
     settings = allocator_settings(args.allocator_conf)
+    if args.task == "train":
+        default_allocator_only(settings, "--task train")
+        return predict_train_command(args, _config_from(args), workspace)
+    refuse_train_flags(args)
     if workspace is None:
         result = predict(_config_from(args), allocator=settings)
     else:
@@ -3848,6 +4433,9 @@ def handle_predict(args) -> int:
 def handle_compare(args) -> int:
     workspace = _workspace_from(args)
     document = read_measurement(args.measurement)
+    if document["configuration"].get("task") == "train":
+        default_allocator_only(recorded_settings(document.get("environment")), "--task train")
+        return compare_train_command(args, document, workspace)
     result = compare(document, workspace)
     print_result(args, result, compare_table)
     return EXIT_FAILURE if args.fail_on_difference and not result["allocated_exact"] else EXIT_OK
@@ -3857,6 +4445,10 @@ def handle_measure(args) -> int:
     config = _config_from(args)
     settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
     check_new_output(args.output)
+    if args.task == "train":
+        default_allocator_only(settings, "--task train")
+        return measure_train_command(args, config)
+    refuse_train_flags(args)
     if args.allocator_conf is not None:
         put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     try:

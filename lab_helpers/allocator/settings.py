@@ -123,6 +123,14 @@ def recorded_environment_variables(environ=None) -> dict:
             for name in ALLOC_CONF_VARIABLES}
 
 
+def default_allocator_only(settings: AllocatorSettings, what: str) -> None:
+    """LabError when `what` (a run the lab models under the default allocator only) is asked under
+    expandable segments, so that no prediction silently assumes the other allocator."""
+    if settings.expandable_segments:
+        raise LabError(f"{what} is modelled under the default allocator only, not under expandable_segments:True "
+                       "(give --allocator-conf expandable_segments:False, or unset PYTORCH_CUDA_ALLOC_CONF)")
+
+
 def put_in_force(settings: AllocatorSettings, environ=None) -> None:
     """Make `settings` the allocator's for this process, before CUDA initialises: the variables are
     set (PyTorch reads them when its allocator starts); a torch already imported is told at once.

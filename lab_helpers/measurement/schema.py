@@ -13,6 +13,16 @@ SCHEMA_VERSION = 1
 PHASES = ("model_load", "inputs", "cold_forward", "warmup", "warm_forward")
 
 
+# --task train: after model_load and inputs, each optimizer step records these four phases
+TRAIN_STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+
+
+TRAIN_OPTIMIZERS = ("adamw", "sgd")
+
+
+MAX_TRAIN_STEPS = 1000
+
+
 COUNTERS = ("allocated", "reserved")
 
 
@@ -86,7 +96,8 @@ MEASUREMENT_SCHEMA = {
     "then": {"required": ["model"], "properties": {
         "configuration": {"$ref": "#/$defs/transformers_configuration"},
         "synthetic_model": False,
-        "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}},
+        "phases": {"items": {"properties": {"phase": {"enum": ["model_load", "inputs", "prefill", "decode",
+                                                                *TRAIN_STEP_PHASES]}}}},
         "ranks": {"items": {"properties": {"phases": {"items": {"properties": {
             "phase": {"enum": ["model_load", "inputs", "prefill", "decode"]}}}}}}},
     }},
@@ -95,7 +106,7 @@ MEASUREMENT_SCHEMA = {
         "synthetic_model": {"$ref": "#/$defs/synthetic_model"},
         "model": False,
         "phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
-                   "items": {"properties": {"phase": {"enum": list(PHASES)}}}},
+                   "items": {"properties": {"phase": {"enum": [*PHASES, *TRAIN_STEP_PHASES]}}}},
         "ranks": {"items": {"properties": {"phases": {"minItems": 5, "maxItems": 4 + MAX_PASSES,
                                                       "items": {"properties": {"phase": {"enum": list(PHASES)}}}}}}},
     }},
@@ -140,6 +151,11 @@ MEASUREMENT_SCHEMA = {
                 "repeats": {"type": "integer", "minimum": 1, "maximum": MAX_PASSES},
                 "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
                 "tensor_parallel": {"type": "integer", "minimum": 1, "maximum": MAX_TENSOR_PARALLEL},
+                # --task train only (an inference file has none of these keys)
+                "task": {"const": "train"},
+                "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
+                "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
+                "fused": {"type": "boolean"},
             },
         },
         "rank": {
@@ -160,9 +176,20 @@ MEASUREMENT_SCHEMA = {
         },
         "transformers_configuration": {
             "type": "object",
-            "required": ["kind", "config_name", "dtype", "batch", "context", "new_tokens", "device", "seed",
-                         "decode_record_every"],
+            "required": ["kind", "config_name", "dtype", "batch", "context", "device", "seed"],
+            # inference: new_tokens and decode_record_every; --task train: the training keys instead
+            "if": {"required": ["task"]},
+            "then": {"required": ["steps", "optimizer", "fused", "train", "gradient_checkpointing"]},
+            "else": {"required": ["new_tokens", "decode_record_every"]},
             "properties": {
+                "task": {"const": "train"},
+                "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
+                "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
+                "fused": {"type": "boolean"},
+                "train": {"enum": ["full", "lora"]},
+                "lora_rank": {"type": "integer", "minimum": 1},
+                "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
+                "gradient_checkpointing": {"type": "boolean"},
                 "kind": {"const": "transformers"},
                 "config_name": {"type": "string", "minLength": 1},
                 "dtype": {"$ref": "#/$defs/dtype"},

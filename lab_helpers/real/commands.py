@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from lab_helpers.allocator.settings import ALLOCATOR_CONF_HELP, allocator_settings, put_in_force
+from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_settings, default_allocator_only,
+                                            put_in_force, recorded_settings)
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -34,6 +35,9 @@ from lab_helpers.real.parallel import measure_model_parallel
 from lab_helpers.real.protocol import measure_model
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
 from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
+from lab_helpers.real.train_commands import (add_model_train_flags, compare_train_model_command,
+                                             fit_train_command, measure_train_model_command,
+                                             predict_train_model_command, refuse_model_train_flags)
 
 COMMANDS = {
     "predict": "per-phase allocated and reserved bytes, no GPU needed",
@@ -63,8 +67,8 @@ def add_run_flags(parser, sizes_required=True) -> None:
                         help="sequences decoded together")
     parser.add_argument("--context", type=whole_number(1, MAX_MODEL_CONTEXT), required=sizes_required, default=None,
                         help="prompt tokens per sequence")
-    parser.add_argument("--new-tokens", type=whole_number(1, MAX_MODEL_NEW_TOKENS), required=True,
-                        help="decode steps after the prefill, one greedy token each")
+    parser.add_argument("--new-tokens", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=None,
+                        help="decode steps after the prefill, one greedy token each (required for inference)")
     parser.add_argument("--tensor-parallel", type=whole_number(1, MAX_TENSOR_PARALLEL), default=1, metavar="N",
                         help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
                              "per rank (default 1: one GPU)")
@@ -81,6 +85,7 @@ BEYOND_HELP = ("predict even when --context plus --new-tokens exceeds the config
 
 def add_predict_arguments(p) -> None:
     add_run_flags(p)
+    add_model_train_flags(p)
     p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
                    help=EVERY_HELP)
@@ -89,6 +94,7 @@ def add_predict_arguments(p) -> None:
 
 def add_measure_arguments(p) -> None:
     add_run_flags(p)
+    add_model_train_flags(p)
     p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
                    help=EVERY_HELP)
@@ -127,6 +133,7 @@ def add_fit_arguments(p) -> None:
                         "the cost per accepted result (rounded half up to the cent, as calcul_forfaits does)")
     p.add_argument("--tariffs", metavar="PATH",
                    help="with --card: a rate card CSV (default data/tarifs-forfaits.csv)")
+    add_model_train_flags(p)
     _format_flag(p)
 
 
@@ -150,6 +157,10 @@ def check_positions(shape, args) -> "str | None":
 
 
 def handle_predict(args) -> int:
+    if args.task == "train":
+        default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
+        return predict_train_model_command(args)
+    refuse_model_train_flags(args)
     shape = load_config(args.config)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
@@ -171,11 +182,18 @@ def handle_compare(args) -> int:
     document = read_measurement(args.measurement)
     if not isinstance(document, dict):
         raise LabError(f"{display_path(args.measurement)} is not a measurement document")
+    if document["configuration"].get("task") == "train":
+        default_allocator_only(recorded_settings(document.get("environment")), "--task train")
+        return compare_train_model_command(args, document)
     print_model_result(args, compare_model(document), model_comparison_table)
     return EXIT_OK
 
 
 def handle_fit(args) -> int:
+    if args.task == "train":
+        default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
+        return fit_train_command(args)
+    refuse_model_train_flags(args)
     check_card_flags(args)  # before the config is read
     settings = allocator_settings(args.allocator_conf)
     if args.card and settings.expandable_segments:
@@ -250,6 +268,10 @@ def measure_command_result(args) -> "dict | None":
 
 
 def handle_measure(args) -> int:
+    if args.task == "train":
+        default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
+        return measure_train_model_command(args)
+    refuse_model_train_flags(args)
     try:
         result = measure_command_result(args)
     except PhaseError as exc:

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from lab_helpers.allocator.history import DEFAULT_MAX_ENTRIES
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
-from lab_helpers.allocator.settings import ALLOCATOR_CONF_HELP, allocator_settings, put_in_force
+from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_settings, default_allocator_only,
+                                            put_in_force, recorded_settings)
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -32,6 +33,8 @@ from lab_helpers.synthetic.network import MeasureConfig
 from lab_helpers.synthetic.predict import MAX_WORKSPACE_BLOCKS, MAX_WORKSPACE_BYTES, compare, predict
 from lab_helpers.synthetic.tables import compare_table, predict_table
 from lab_helpers.synthetic.tensor_parallel import measure_tensor_parallel
+from lab_helpers.synthetic.train_commands import (add_train_flags, compare_train_command, measure_train_command,
+                                                  predict_train_command, refuse_train_flags)
 
 
 COMMANDS = {
@@ -123,6 +126,7 @@ def add_measure_arguments(p) -> None:
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
     add_timeline_flags(p)
+    add_train_flags(p)
 
 
 def add_predict_arguments(p) -> None:
@@ -132,6 +136,7 @@ def add_predict_arguments(p) -> None:
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
+    add_train_flags(p)
     _format_flag(p)
 
 
@@ -207,6 +212,10 @@ def handle_environment(args) -> int:
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
     settings = allocator_settings(args.allocator_conf)
+    if args.task == "train":
+        default_allocator_only(settings, "--task train")
+        return predict_train_command(args, _config_from(args), workspace)
+    refuse_train_flags(args)
     if workspace is None:
         result = predict(_config_from(args), allocator=settings)
     else:
@@ -218,6 +227,9 @@ def handle_predict(args) -> int:
 def handle_compare(args) -> int:
     workspace = _workspace_from(args)
     document = read_measurement(args.measurement)
+    if document["configuration"].get("task") == "train":
+        default_allocator_only(recorded_settings(document.get("environment")), "--task train")
+        return compare_train_command(args, document, workspace)
     result = compare(document, workspace)
     print_result(args, result, compare_table)
     return EXIT_FAILURE if args.fail_on_difference and not result["allocated_exact"] else EXIT_OK
@@ -227,6 +239,10 @@ def handle_measure(args) -> int:
     config = _config_from(args)
     settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
     check_new_output(args.output)
+    if args.task == "train":
+        default_allocator_only(settings, "--task train")
+        return measure_train_command(args, config)
+    refuse_train_flags(args)
     if args.allocator_conf is not None:
         put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     try:

@@ -1,0 +1,389 @@
+"""Fine-tuning a real model: model_load, inputs, then per optimizer step forward (the causal-LM loss),
+backward, optimizer_step and zero_grad; measured on a GPU and traced on meta for the prediction, from one code path.
+
+`run_training_protocol` builds the model through lab_helpers.real.protocol.run_protocol (the
+inference run's own model_load), then trains it: on a GPU each phase is measured with the
+allocator's counters (`measure_training_model`), on the meta device each is traced op by op by
+lab_helpers.real.train_trace and replayed on the allocator model (`predict_training_model`).
+"""
+from dataclasses import asdict, dataclass
+
+from lab_helpers.core.errors import LabError
+from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
+from lab_helpers.measurement.environment import environment
+from lab_helpers.measurement.protocol import run_phase
+from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
+from lab_helpers.real.config import ModelShape, parse_config
+from lab_helpers.real.protocol import check_cuda, run_protocol
+from lab_helpers.real.spec import COUNTER_KEYS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, RunSpec, model_description
+
+TRAIN_MODES = ("full", "lora", "qlora")
+LEARNING_RATE = 1e-3  # the values never change the bytes
+SGD_MOMENTUM = 0.9
+MAX_TRAIN_TOKENS = 2**22  # batch x context of one step
+MAX_LORA_RANK = 65536
+LORA_DROPOUT = 0.0  # dropout would allocate a mask per target; the lab measures without it
+# embedding_dense_backward on CUDA takes a sort-based path from this many indices on, whose
+# temporaries (sorted indices, counts, segment offsets) are not traced
+EMBEDDING_DIRECT_MAX_TOKENS = 3072
+ATTENTION_NOTE = ("attention: PyTorch's SDPA with its math backend, in the measured run (torch.nn.attention."
+                  "sdpa_kernel) as in the traced one; the fused backends' own workspaces are not predicted yet")
+TRAIN_ASSUMPTIONS = (
+    "a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the loss as transformers "
+    "computes it with labels=input_ids (float32 logits, cross-entropy over the shifted tokens); the backward "
+    "pass on the autograd engine's device thread, whose cuBLAS handle gets its own workspaces; reductions "
+    "in one pass (a reduction split across thread blocks allocates a small staging buffer, not added)")
+TRAIN_NOTES = (
+    "the optimizer's states (AdamW: exp_avg and exp_avg_sq per trained parameter, in its dtype; SGD: a "
+    "momentum buffer) appear at the first optimizer_step: allocated jumps by their bytes; the second step "
+    "shows the steady state",
+    "zero_grad(set_to_none=True) frees the gradients' blocks; the reserved segments stay",
+)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One fine-tuning run of a real model; checked when built."""
+
+    config_name: str
+    dtype: str = "bfloat16"
+    batch: int = 1
+    context: int = 128
+    steps: int = 3
+    optimizer: str = "adamw"
+    fused: bool = False
+    train: str = "full"
+    gradient_checkpointing: bool = False
+    device: str = "cuda:0"
+    seed: int = 0
+    lora_rank: "int | None" = None
+    lora_targets: "tuple | None" = None  # None: peft's default targets for the model type
+
+    def __post_init__(self):
+        parse_device(self.device)
+        if isinstance(self.lora_targets, list):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.dtype not in DTYPE_BYTES:
+            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        for name, low, high in (("batch", 1, MAX_MODEL_BATCH), ("context", 2, MAX_MODEL_CONTEXT),
+                                ("steps", 2, MAX_TRAIN_STEPS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise LabError(f"--{name} must be a whole number from {low} to {high} with --task train, got {value!r}")
+        if self.batch * self.context > MAX_TRAIN_TOKENS:
+            raise LabError(f"batch x context must be at most {MAX_TRAIN_TOKENS} with --task train")
+        if self.optimizer not in TRAIN_OPTIMIZERS:
+            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.fused and self.optimizer != "adamw":
+            raise LabError("--fused is for --optimizer adamw only")
+        if self.train == "lora":
+            rank = self.lora_rank
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
+                raise LabError(f"--lora-rank must be a whole number from 1 to {MAX_LORA_RANK} with --train lora, "
+                               f"got {rank!r}")
+            targets = self.lora_targets
+            if targets is not None and (not isinstance(targets, tuple) or not targets or len(targets) > 64
+                                        or not all(isinstance(t, str) and t.isidentifier() for t in targets)):
+                raise LabError("--lora-targets must name modules, such as q_proj v_proj (1 to 64 names)")
+        elif self.lora_rank is not None or self.lora_targets is not None:
+            raise LabError("--lora-rank and --lora-targets need --train lora")
+        if self.train == "qlora":
+            raise LabError("--train qlora needs bitsandbytes' 4-bit kernels, which run on CUDA only: they cannot "
+                           "be traced on meta, and bitsandbytes is not on the lab's GPU image")
+        if self.train not in TRAIN_MODES:
+            raise LabError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
+
+    def record(self) -> dict:
+        record = {"kind": "transformers", "task": "train", **asdict(self)}
+        if self.train != "lora":
+            del record["lora_rank"], record["lora_targets"]
+        elif self.lora_targets is not None:
+            record["lora_targets"] = list(self.lora_targets)
+        return record
+
+    @property
+    def implementation(self) -> str:
+        return "fused" if self.fused else "foreach"
+
+
+def make_model_optimizer(torch, parameters, spec: TrainSpec, device_type: str):
+    """The optimizer as a user builds it on CUDA (torch's default there: foreach); on meta, torch
+    would take the per-tensor loop, so the implementation CUDA takes is passed explicitly."""
+    chosen = {"fused": True} if spec.fused else ({} if device_type == "cuda" else {"foreach": True})
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=LEARNING_RATE, **chosen)
+    return torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=SGD_MOMENTUM, **chosen)
+
+
+def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase) -> None:
+    """Build the model (run_protocol's model_load), feed it, then train `spec.steps` steps;
+    `phase(name, action, index, state)` runs each step and returns what the action returned."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    state = {}
+
+    def build(name, action, index, recorded):
+        def load():
+            model = action().train()
+            if spec.gradient_checkpointing:
+                model.gradient_checkpointing_enable()  # transformers' own: non-reentrant torch.utils.checkpoint
+            if spec.train == "lora":
+                model = wrap_lora(model, spec)
+            return model
+        state["model"] = phase("model_load", load, None, state)
+
+    run_protocol(shape, RunSpec(shape.name, dtype=spec.dtype, device=spec.device, seed=spec.seed), device,
+                 build, stop_after="model_load")
+    # built outside any phase: the constructor allocates nothing on the device
+    trained = [p for p in state["model"].parameters() if p.requires_grad]
+    state["optimizer"] = make_model_optimizer(torch, trained, spec, device.type)
+
+    def make_inputs():
+        size = (spec.batch, spec.context)
+        if device.type == "meta":
+            state["ids"] = torch.randint(0, shape.vocab, size, device=device)
+        else:
+            generator = torch.Generator(device=device).manual_seed(spec.seed)
+            state["ids"] = torch.randint(0, shape.vocab, size, device=device, generator=generator)
+
+    def forward():
+        with sdpa_kernel([SDPBackend.MATH]):
+            # the output (its logits) is dropped here: the graph keeps what backward needs
+            state["loss"] = state["model"](input_ids=state["ids"], labels=state["ids"], use_cache=False).loss
+
+    def backward():
+        with sdpa_kernel([SDPBackend.MATH]):  # checkpointing's recomputed forward runs here
+            state.pop("loss").backward()
+
+    def optimizer_step():
+        state["optimizer"].step()
+
+    def zero_grad():
+        state["optimizer"].zero_grad(set_to_none=True)
+
+    phase("inputs", make_inputs, None, state)
+    for step in range(spec.steps):
+        for name, action in zip(TRAIN_STEP_PHASES, (forward, backward, optimizer_step, zero_grad)):
+            phase(name, action, step, state)
+    state.clear()
+
+
+def import_peft():
+    try:
+        import peft
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "peft":
+            raise
+        raise LabError("--train lora needs peft (pip install peft==0.21.2, the version the lab is checked "
+                       "with); it is not installed") from None
+    return peft
+
+
+def wrap_lora(model, spec: TrainSpec):
+    """The model with peft's LoRA adapters on `spec.lora_targets` (peft's defaults when None), the
+    base frozen, as a user wraps it (get_peft_model, lora_alpha = 2 x rank, no dropout)."""
+    peft = import_peft()
+    config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, lora_dropout=LORA_DROPOUT,
+                             target_modules=list(spec.lora_targets) if spec.lora_targets else None,
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        first = (str(exc).strip().splitlines() or ["ValueError"])[0][:300]
+        raise LabError(f"peft cannot wrap this model with LoRA: {first}") from None
+
+
+def check_lora_targets(shape: ModelShape, spec: TrainSpec) -> None:
+    """Refuse, before any GPU work, a LoRA target that names no module of the model (checked on a
+    one-layer copy built on meta) and a model type peft has no default targets for."""
+    if spec.train != "lora":
+        return
+    import_peft()
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lab_helpers.real.protocol import transformers_config
+    hf_config = copy.deepcopy(transformers_config(shape))
+    hf_config.num_hidden_layers = 1
+    if getattr(hf_config, "layer_types", None):
+        hf_config.layer_types = hf_config.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    if spec.lora_targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+        defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(shape.model_type)
+        if not defaults:
+            raise LabError(f"peft has no default LoRA targets for model type {shape.model_type!r}: name them with "
+                           f"--lora-targets (linear layers of this model: {', '.join(sorted(linear))})")
+        return
+    missing = [t for t in spec.lora_targets if t not in linear]
+    if missing:
+        raise LabError(f"--lora-targets {' '.join(missing)}: no such linear layer in this model (it has "
+                       f"{', '.join(sorted(linear))})")
+
+
+def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
+    """Measure every training phase on the GPU and return the measurement document."""
+    try:
+        import torch
+        import transformers
+    except ModuleNotFoundError:
+        raise
+    except Exception as exc:
+        raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
+    del transformers
+    device = check_cuda(torch, spec)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    env = environment(spec.device, usable_memory_figure=False)
+    phases = []
+
+    def phase(name, action, index, state):
+        record, result = run_phase(torch, device, name, action, index, 1 if name in ("forward", "backward") else 0,
+                                   None, name if index is None else f"{name} {index}")
+        phases.append(record)
+        return result
+
+    run_training_protocol(shape, spec, device, phase)
+    return {"schema_version": SCHEMA_VERSION, "kind": "iteragpu-lab measurement", "environment": env,
+            "configuration": spec.record(), "model": model_description(shape, spec.dtype), "phases": phases}
+
+
+def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
+    """Predict allocated and reserved bytes of every training phase, tracing the run on meta. With
+    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.real.tracer's
+    OutOfMemory when the run does not fit."""
+    import torch
+
+    from lab_helpers.real.tracer import CappedAllocator
+    from lab_helpers.real.train_trace import TrainingTracer
+    tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
+    alloc = tracer.allocator
+    phases = []
+    overall = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
+
+    def phase(name, action, index, state):
+        tracer.collect(settled=True)
+        base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        alloc.reset_peaks()
+        tracer.backward = name == "backward"
+        try:
+            with tracer:
+                result = action()
+        finally:
+            tracer.backward = False
+        tracer.collect(settled=True)
+        if name == "model_load":
+            tracer.settle()  # the weights outlive every later phase: scanned at phase ends only
+        for key in overall:
+            overall[key] = max(overall[key], getattr(alloc, key.replace("_bytes", "")))
+        phases.append({
+            "phase": name, "index": index, "passes": 1 if name in ("forward", "backward") else 0,
+            "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
+            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
+            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
+            "end_allocated_bytes_by_kind": _model_bytes_by_kind(tracer, state, result if name == "model_load" else None,
+                                                                alloc.allocated),
+        })
+        return result
+
+    run_training_protocol(shape, spec, torch.device("meta"), phase)
+    notes = list(TRAIN_NOTES)
+    if spec.batch * spec.context > EMBEDDING_DIRECT_MAX_TOKENS:
+        notes.append(f"batch x context is above {EMBEDDING_DIRECT_MAX_TOKENS}: the embedding's backward on CUDA "
+                     "then sorts the token ids, with temporaries this trace does not add (peaks of backward can "
+                     "be higher)")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "iteragpu-lab prediction",
+        "configuration": spec.record(),
+        "model": model_description(shape, spec.dtype),
+        "optimizer": {"name": spec.optimizer, "implementation": spec.implementation,
+                      "note": ("torch.optim's default on CUDA for float parameters is foreach (never fused unless "
+                               "fused=True is passed)" if not spec.fused else "AdamW(fused=True): torch._fused_adamw_")},
+        "attention": ATTENTION_NOTE,
+        "workspace": {"bytes": tracer.workspace_bytes},
+        "assumptions": TRAIN_ASSUMPTIONS,
+        "notes": notes,
+        "overall": overall,
+        "phases": phases,
+    }
+
+
+def _model_bytes_by_kind(tracer, state: dict, model, allocated: int) -> dict:
+    """Allocated bytes at a phase's end by kind: weights (parameters and buffers), gradients,
+    optimizer_states, inputs, workspace; activations is the rest (what autograd keeps)."""
+    held = {"weights": 0, "inputs": 0, "workspace": 0, "gradients": 0, "optimizer_states": 0, "activations": 0}
+    seen = set()
+    tables = (tracer.live, tracer.settled)
+
+    def add(kind, tensor):
+        key = tensor.untyped_storage()._cdata
+        for table in tables:
+            if key in table and key not in seen:
+                seen.add(key)
+                held[kind] += table[key][1].size
+
+    model = model if model is not None else state.get("model")
+    if model is not None:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            add("weights", tensor)
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                add("gradients", parameter.grad)
+    optimizer = state.get("optimizer")
+    for values in optimizer.state.values() if optimizer is not None else ():
+        for value in values.values():
+            if hasattr(value, "untyped_storage") and value.device.type == "meta":
+                add("optimizer_states", value)
+    if "ids" in state:
+        add("inputs", state["ids"])
+    held["workspace"] = tracer.workspace_bytes
+    held["activations"] = allocated - sum(held.values())
+    return held
+
+
+def train_spec_from(configuration: dict) -> TrainSpec:
+    settings = {k: v for k, v in configuration.items() if k not in ("kind", "task")}
+    return TrainSpec(**settings)
+
+
+def compare_training_model(measurement: dict) -> dict:
+    """A training measurement beside its prediction; differences are measured minus predicted."""
+    try:
+        spec = train_spec_from(measurement["configuration"])
+        shape = parse_config(measurement["model"]["config"], spec.config_name)
+        measured = measurement["phases"]
+        [[m[k] for k in COUNTER_KEYS] for m in measured]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LabError(f"not a transformers training measurement ({type(exc).__name__}: {exc})") from None
+    predicted = predict_training_model(shape, spec)["phases"]
+    if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
+        raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
+    rows = []
+    for got, want in zip(measured, predicted):
+        row = {"phase": got["phase"], "index": got["index"]}
+        for key in COUNTER_KEYS:
+            row[f"measured_{key}"] = got[key]
+            row[f"predicted_{key}"] = want[key]
+            row[f"difference_{key}"] = got[key] - want[key]
+        rows.append(row)
+
+    def worst(counter):
+        return max((abs(r[f"difference_{counter}"]) / r[f"measured_{counter}"] for r in rows
+                    if r[f"measured_{counter}"]), default=0.0)
+
+    return {
+        "config_name": spec.config_name,
+        "task": "train",
+        "allocated_exact": all(r[f"difference_{k}"] == 0 for r in rows for k in COUNTER_KEYS if "allocated" in k),
+        "peak_allocated_worst_relative": worst("peak_allocated_bytes"),
+        "peak_reserved_worst_relative": worst("peak_reserved_bytes"),
+        "rows": rows,
+    }

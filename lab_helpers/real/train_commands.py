@@ -1,0 +1,201 @@
+"""real_model's --task train: the flags of predict and measure, what they run, and the tables for people."""
+import json
+from pathlib import Path
+
+from lab_helpers.core.cli import error_line
+from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
+from lab_helpers.core.files import check_new_output, write_new_json
+from lab_helpers.core.numbers import whole_number
+from lab_helpers.core.tables import format_bytes, text_table
+from lab_helpers.measurement.protocol import PhaseError
+from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
+from lab_helpers.real.config import load_config
+from lab_helpers.real.fit import gpu_budget, usable_memory_bytes
+from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
+                                    compare_training_model, measure_training_model, predict_training_model)
+
+
+def add_model_train_flags(parser) -> None:
+    """--task and the training flags of predict and measure."""
+    parser.add_argument("--task", choices=("inference", "train"), default="inference",
+                        help="inference (default: prefill and decode, needs --new-tokens) or train: forward with "
+                             "the causal-LM loss, backward, optimizer_step and zero_grad per step")
+    parser.add_argument("--train", choices=TRAIN_MODES, default=None,
+                        help="with --task train: what is trained; full (default: every parameter), lora (peft's "
+                             "adapters on a frozen base, needs --lora-rank); qlora is refused with the reason")
+    parser.add_argument("--steps", type=whole_number(2, MAX_TRAIN_STEPS), default=None,
+                        help=f"with --task train: optimizer steps, 2 to {MAX_TRAIN_STEPS} (default 3)")
+    parser.add_argument("--optimizer", choices=TRAIN_OPTIMIZERS, default=None,
+                        help="with --task train: adamw (default) or sgd (momentum 0.9), torch's default "
+                             "implementation on CUDA (foreach)")
+    parser.add_argument("--fused", action="store_true", help="with --task train --optimizer adamw: AdamW(fused=True)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="with --task train: transformers' gradient checkpointing (backward recomputes each "
+                             "layer's forward instead of keeping its activations)")
+    parser.add_argument("--lora-rank", type=whole_number(1, MAX_LORA_RANK), default=None, metavar="R",
+                        help=f"with --train lora: the adapters' rank, 1 to {MAX_LORA_RANK} (lora_alpha 2R, no dropout)")
+    parser.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                        help="with --train lora: the linear layers that get adapters, by name (default: peft's "
+                             "defaults for the model type, q_proj v_proj for Llama and Qwen2)")
+    parser.add_argument("--autocast", choices=("bfloat16",), default=None,
+                        help="with --task train: fp32 weights under bf16 autocast; refused for now (autocast does "
+                             "not act on the meta device, so it cannot be predicted)")
+
+
+TRAIN_ONLY_FLAGS = (("--train", "train"), ("--steps", "steps"), ("--optimizer", "optimizer"),
+                    ("--fused", "fused"), ("--gradient-checkpointing", "gradient_checkpointing"),
+                    ("--autocast", "autocast"), ("--lora-rank", "lora_rank"), ("--lora-targets", "lora_targets"))
+
+
+def refuse_model_train_flags(args) -> None:
+    """Inference: the training flags are refused, and --new-tokens is needed."""
+    given = [flag for flag, key in TRAIN_ONLY_FLAGS if getattr(args, key, None) not in (None, False)]
+    if given:
+        raise LabError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --task train")
+    if args.new_tokens is None:
+        raise LabError("the following arguments are required: --new-tokens (or give --task train)")
+
+
+def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=None) -> TrainSpec:
+    """The run the flags describe (checked before the config is read: pass a placeholder name)."""
+    if args.new_tokens is not None:
+        raise LabError("--new-tokens is for inference; --task train runs --steps optimizer steps instead")
+    if getattr(args, "tensor_parallel", 1) != 1:
+        raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
+    if args.autocast is not None:
+        raise LabError("--autocast bfloat16 cannot be predicted: autocast does not act on tensors of the meta "
+                       "device, where the prediction runs; train with --dtype bfloat16 or float32 weights")
+    batch, context = sizes or (args.batch, args.context)
+    return TrainSpec(config_name, dtype=args.dtype, batch=batch, context=context,
+                     steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw",
+                     fused=args.fused, train=args.train or "full", gradient_checkpointing=args.gradient_checkpointing,
+                     device=device, seed=seed, lora_rank=args.lora_rank,
+                     lora_targets=None if args.lora_targets is None else tuple(args.lora_targets))
+
+
+def check_train_positions(shape, args) -> None:
+    """A training sequence longer than the model's positions is refused unless --beyond-positions."""
+    if (shape.max_positions and args.context is not None and args.context > shape.max_positions
+            and not getattr(args, "beyond_positions", False)):
+        raise LabError(f"--context {args.context} is beyond the model's {shape.max_positions} positions (config key "
+                       "'max_position_embeddings'); give --beyond-positions to run it anyway")
+
+
+def _print(args, result, table) -> None:
+    print(table(result) if getattr(args, "format", "json") == "table" else json.dumps(result, indent=2))
+
+
+def predict_train_model_command(args) -> int:
+    train_spec_from_args(args, "unread")  # every flag checked before the config is read
+    shape = load_config(args.config)
+    check_train_positions(shape, args)
+    spec = train_spec_from_args(args, shape.name)
+    check_lora_targets(shape, spec)
+    _print(args, predict_training_model(shape, spec), train_prediction_table)
+    return EXIT_OK
+
+
+def measure_train_model_command(args) -> int:
+    device = args.device or "cuda:0"
+    train_spec_from_args(args, "unread", device, args.seed)
+    if args.timeline is not None:
+        raise LabError("--timeline records inference runs only; leave it out with --task train")
+    output = Path(args.output)
+    check_new_output(output)
+    shape = load_config(args.config)
+    check_train_positions(shape, args)
+    spec = train_spec_from_args(args, shape.name, device, args.seed)
+    check_lora_targets(shape, spec)
+    try:
+        document = measure_training_model(shape, spec)
+    except PhaseError as exc:
+        error_line(f"real_model: error: {exc}; no file written")
+        return EXIT_PHASE
+    write_new_json(output, document)
+    print(json.dumps({"output": str(output), "phases": len(document["phases"])}, indent=2))
+    return EXIT_OK
+
+
+def fit_train_command(args) -> int:
+    """fit --task train: the budget as inference's fit takes it, then the training search."""
+    from lab_helpers.real.train_fit import fit_training
+    if args.card:
+        raise LabError("fit --card prices inference runs only for now; leave --card out with --task train")
+    # the search sets the sizes; a given --batch or --context is checked here first
+    sizes = (args.batch or 1, args.context or 2)
+    train_spec_from_args(args, "unread", sizes=sizes)
+    shape = load_config(args.config)
+    spec = train_spec_from_args(args, shape.name, sizes=sizes)
+    check_lora_targets(shape, spec)
+    if args.gpu:
+        budget, source = gpu_budget(args.gpu)
+    elif args.memory_bytes:
+        budget, source = args.memory_bytes, "given with --memory-bytes"
+    else:
+        device = args.device or "cuda:0"
+        budget = usable_memory_bytes(device)
+        source = f"usable memory of {device}, measured now in a fresh child process"
+    _print(args, fit_training(shape, spec, budget, source, args.batch, args.context), train_fit_table)
+    return EXIT_OK
+
+
+def train_fit_table(result: dict) -> str:
+    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
+             f"training: {result['train']} fine-tuning, {result['optimizer']}"
+             + (", gradient checkpointing" if result["gradient_checkpointing"] else "")]
+    if "fits" in result:
+        lines.append(f"batch {result['batch']} x context {result['context']}: "
+                     + (f"fits, peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                        if result["fits"] else "does NOT fit"))
+    if "largest_context_at_batch" in result:
+        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']}")
+    if "largest_batch_at_context" in result:
+        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']}")
+    if "bounded" in result:
+        lines.append(f"note: {result['bounded']}")
+    lines.append(f"criterion: {result['criterion']}")
+    return "\n".join(lines)
+
+
+def compare_train_model_command(args, document: dict) -> int:
+    _print(args, compare_training_model(document), train_comparison_table)
+    return EXIT_OK
+
+
+def _step_label(record) -> str:
+    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+
+
+def train_prediction_table(result: dict) -> str:
+    c = result["configuration"]
+    header = ("phase", "end allocated", "peak allocated", "peak reserved", "gradients", "optimizer states",
+              "activations")
+    rows = [(_step_label(p), format_bytes(p["end_allocated_bytes"]), format_bytes(p["peak_allocated_bytes"]),
+             format_bytes(p["peak_reserved_bytes"]), format_bytes(p["end_allocated_bytes_by_kind"]["gradients"]),
+             format_bytes(p["end_allocated_bytes_by_kind"]["optimizer_states"]),
+             format_bytes(p["end_allocated_bytes_by_kind"]["activations"])) for p in result["phases"]]
+    return "\n".join([
+        f"training prediction: {c['config_name']}, {c['dtype']}, batch {c['batch']}, context {c['context']}, "
+        f"{c['steps']} steps, {c['train']} fine-tuning, {c['optimizer']} ({result['optimizer']['implementation']})"
+        + (", gradient checkpointing" if c["gradient_checkpointing"] else ""),
+        text_table(header, rows),
+        f"overall peak: {format_bytes(result['overall']['peak_allocated_bytes'])} allocated, "
+        f"{format_bytes(result['overall']['peak_reserved_bytes'])} reserved",
+        f"optimizer: {result['optimizer']['note']}",
+        result["attention"],
+        *(f"note: {n}" for n in result["notes"]),
+        f"assumes: {result['assumptions']}",
+    ])
+
+
+def train_comparison_table(result: dict) -> str:
+    header = ("phase", "measured peak allocated", "predicted", "difference B", "measured peak reserved",
+              "predicted", "difference B")
+    rows = [(_step_label(r), format_bytes(r["measured_peak_allocated_bytes"]),
+             format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
+             format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
+             f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]
+    return "\n".join([text_table(header, rows),
+                      f"allocated exact (baseline, end and peak): {'yes' if result['allocated_exact'] else 'no'}",
+                      f"worst peak difference: allocated {result['peak_allocated_worst_relative']:.4%}, reserved "
+                      f"{result['peak_reserved_worst_relative']:.4%}"])

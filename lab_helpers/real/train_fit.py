@@ -1,0 +1,99 @@
+"""fit --task train: does a fine-tuning run fit a budget, and the largest batch and context that do,
+from predictions of the traced training run under a replayed allocator capped at the budget."""
+from dataclasses import replace
+
+from lab_helpers.core.errors import LabError
+from lab_helpers.real.config import ModelShape
+from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT
+from lab_helpers.real.train import MAX_TRAIN_TOKENS, TrainSpec, predict_training_model
+
+MAX_TRAIN_FIT_PREDICTIONS = 24  # each traces a whole training run: the search stops here, saying so
+TRAIN_FIT_STEPS = 2  # the second step is the steady state: states, gradients and activations at once
+
+
+class TrainSearchBounded(Exception):
+    """The search reached MAX_TRAIN_FIT_PREDICTIONS (caught where the search runs)."""
+
+
+def largest_fitting(fits, high: int) -> tuple:
+    """(largest v in [1, high] with fits(v), fits assumed monotone, 0 if none; whether the search
+    stopped at its bound first, v then being a lower bound)."""
+    low = 0
+    try:
+        if not fits(1):
+            return 0, False
+        low, probe = 1, 2
+        while probe <= high and fits(probe):
+            low, probe = probe, probe * 2
+        top = min(probe, high + 1)
+        while top - low > 1:
+            middle = (low + top) // 2
+            if fits(middle):
+                low = middle
+            else:
+                top = middle
+    except TrainSearchBounded:
+        return low, True
+    return low, False
+
+
+def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_source: str,
+                 batch=None, context=None) -> dict:
+    """Does (batch, context) fit, the largest context at `batch` and the largest batch at `context`,
+    for the fine-tuning run `base` (its optimizer, what is trained, checkpointing) of two steps."""
+    from lab_helpers.real.tracer import OutOfMemory
+    if batch is None and context is None:
+        raise LabError("give --batch, --context or both")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
+    base = replace(base, steps=TRAIN_FIT_STEPS)
+    cache, predictions = {}, []
+
+    def fits(b, t):
+        if (b, t) not in cache:
+            if b * t > MAX_TRAIN_TOKENS:
+                cache[(b, t)] = None
+            else:
+                if len(predictions) >= MAX_TRAIN_FIT_PREDICTIONS:
+                    raise TrainSearchBounded
+                predictions.append((b, t))
+                try:
+                    cache[(b, t)] = predict_training_model(shape, replace(base, batch=b, context=t),
+                                                           budget_bytes)["overall"]
+                except OutOfMemory:
+                    cache[(b, t)] = None
+        return cache[(b, t)] is not None
+
+    result = {
+        "config_name": shape.name, "task": "train", "train": base.train, "dtype": base.dtype,
+        "optimizer": base.optimizer, "fused": base.fused, "gradient_checkpointing": base.gradient_checkpointing,
+        "budget_bytes": budget_bytes, "budget_source": budget_source,
+        "criterion": (f"{TRAIN_FIT_STEPS} optimizer steps (the second is the steady state) fit when the replayed "
+                      "allocator never needs more than the budget, after releasing its wholly free cached "
+                      "segments as PyTorch does before an out-of-memory error"),
+    }
+    bounded = []
+    if batch is not None and context is not None:
+        result.update({"batch": batch, "context": context, "fits": fits(batch, context)})
+        if result["fits"]:
+            result["peak_reserved_bytes"] = cache[(batch, context)]["peak_reserved_bytes"]
+            result["headroom_bytes"] = budget_bytes - result["peak_reserved_bytes"]
+    if batch is not None:
+        result["batch"] = batch
+        high = min(MAX_MODEL_CONTEXT, shape.max_positions or MAX_MODEL_CONTEXT)
+        # a training sequence has 2 tokens at least (one predicts the next): search v = context - 1
+        found, stopped = largest_fitting(lambda v: fits(batch, v + 1), high - 1)
+        result["largest_context_at_batch"] = found + 1 if found else 0
+        if stopped:
+            bounded.append("largest_context_at_batch")
+    if context is not None:
+        result["context"] = context
+        found, stopped = largest_fitting(lambda b: fits(b, context), MAX_MODEL_BATCH)
+        result["largest_batch_at_context"] = found
+        if stopped:
+            bounded.append("largest_batch_at_context")
+    result["predictions"] = len(predictions)
+    if bounded:
+        result["bounded"] = (f"{', '.join(bounded)}: the search stopped after {MAX_TRAIN_FIT_PREDICTIONS} "
+                             "predictions; the figure is a size that fits, a lower bound of the largest")
+    return result
