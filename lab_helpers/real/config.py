@@ -7,6 +7,7 @@ one under data/models/ (architecture facts only, never weights).
 """
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,22 +190,29 @@ def one_line_reason(exc: BaseException) -> str:
 
 
 def key_named(exc: BaseException, raw: dict) -> str:
-    """'config key K ' for the first key of `raw` the library's message names, else 'config '."""
+    """'config key K ' (or 'config keys K and L ') for the keys of `raw` the library's message names:
+    quoted, through the validator's name ("validate_layer_type": layer_types) or in words ("the
+    number of attention heads"); else 'config '."""
     text = str(exc)
-    for key in sorted(raw, key=len, reverse=True):
-        if f"'{key}'" in text or f"`{key}`" in text:
-            return f"config key {key!r} "
-    # keys the message names in words ("the hidden size (64) is not a multiple of the number of
-    # attention heads (5)"): every one, in the order of the message
     lowered = text.lower()
-    spoken = sorted((lowered.find(k.removeprefix("num_").replace("_", " ")), k) for k in raw
-                    if "_" in k and k.removeprefix("num_").replace("_", " ") in lowered)
-    if spoken:
-        return f"config keys {' and '.join(repr(k) for _, k in spoken[:3])} " if len(spoken) > 1 else \
-            f"config key {spoken[0][1]!r} "
-    for key in sorted(raw, key=len, reverse=True):  # a value the message quotes (an activation's name)
-        if key != "model_type" and isinstance(raw[key], str) and len(raw[key]) > 2 and raw[key] in text:
-            return f"config key {key!r} "
+    found = {}
+    for key in raw:
+        at = min((i for i in (text.find(f"'{key}'"), text.find(f"`{key}`")) if i >= 0), default=-1)
+        if at >= 0:
+            found[key] = at
+    validator = re.search(r"validator 'validate_(\w+)'", text)
+    if validator:
+        found.update({k: -1 for k in raw if k.startswith(validator.group(1))})
+    if not found:
+        found = {k: lowered.find(k.removeprefix("num_").replace("_", " ")) for k in raw
+                 if "_" in k and k.removeprefix("num_").replace("_", " ") in lowered}
+    if not found:  # a value the message quotes (an activation's name)
+        found = {k: text.find(raw[k]) for k in raw
+                 if k != "model_type" and isinstance(raw[k], str) and len(raw[k]) > 2 and raw[k] in text}
+    if found:
+        keys = [k for k, _ in sorted(found.items(), key=lambda item: item[1])][:3]
+        return f"config key {keys[0]!r} " if len(keys) == 1 else \
+            f"config keys {' and '.join(map(repr, keys))} "
     if "rope" in text:
         return "config key 'rope_parameters' "
     return "config "
@@ -223,12 +231,19 @@ def transformers_config_of(raw: dict):
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
             raise ConfigError(f"config key {key!r}: unknown rope_type {rope_type!r}; transformers knows "
                               f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    from transformers.utils import logging as transformers_logging
+    verbosity = transformers_logging.get_verbosity()
+    # the library warns on stderr of what the lab then refuses in its own line (a token id past the
+    # vocabulary): quiet while the config is built, as it was before after
+    transformers_logging.set_verbosity_error()
     try:
         config = AutoConfig.for_model(raw["model_type"], **kwargs)
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError,
             StrictDataclassError) as exc:
         # transformers validates its fields (types, rope keys, layer_types) as the config is built
         raise ConfigError(f"{key_named(exc, kwargs)}refused by transformers: {one_line_reason(exc)}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     config._attn_implementation = "sdpa"
     return config
 
@@ -315,6 +330,8 @@ def _refuse_before_transformers(raw: dict) -> str:
                           f"weights are not predicted; from_config builds unquantized weights and the "
                           f"quantization runs its library's own CUDA kernels, which the meta-device trace cannot "
                           f"see (remove the key to predict the unquantized model)")
+    if raw.get("rope_theta") is not None:
+        _positive_number(raw["rope_theta"], "rope_theta")
     _rope_block(raw)
     return model_type
 
