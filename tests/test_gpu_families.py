@@ -2,7 +2,9 @@
 version of each bundled shape (the hidden sizes, heads and vocabulary kept), four (batch, context)
 points each, one of them long, bf16, every counter of every record compared exactly.
 
-    python3 -m pytest -o addopts= -m gpu tests/test_gpu_families.py
+    python3 -m pytest -o addopts= -m gpu tests/test_gpu_families.py -k "not boundary"
+    python3 -m pytest -o addopts= -m gpu tests/test_gpu_families.py -k boundary
+
 
 Each point is measured in a fresh process with `real_model measure` and compared with
 `real_model compare` in another; the points run eight at a time (each process has its own caching
@@ -174,3 +176,42 @@ def test_the_experts_allocate_the_same_for_an_even_and_a_skewed_routing(measured
     assert_exact(skewed_comparison)
     counters = [[p[k] for k in COUNTER_KEYS] for p in even["document"]["phases"]]
     assert counters == [[p[k] for k in COUNTER_KEYS] for p in skewed["document"]["phases"]]
+
+
+# ---- fit's boundary, for one sliding-window model and one mixture of experts (run apart from the
+# points above: each probe fills the GPU): -k boundary
+BOUNDARY_SWEEPS = [("mistral_sliding", "context", 8192, "batch"), ("qwen3_moe", "context", 4096, "batch")]
+
+
+@pytest.fixture(scope="module")
+def usable():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from lab_helpers.real.fit import usable_memory_bytes; "
+         "print(usable_memory_bytes(sys.argv[1]))", CHILD_DEVICE],
+        cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family,fixed,value,searched", BOUNDARY_SWEEPS)
+def test_boundary_fit_finds_the_measured_out_of_memory_boundary(tmp_path, usable, family, fixed, value, searched):
+    from lab_helpers.real.config import load_config
+    from lab_helpers.real.fit import fit_model
+    config = reduced_config(tmp_path, family)
+    result = fit_model(load_config(str(config)), "bfloat16", NEW_TOKENS, usable, "usable memory, measured",
+                       **{fixed: value})
+    largest = result[f"largest_{searched}_at_{fixed}"]
+    assert largest > 0
+    outcomes = {}
+    for probe in (largest, largest + 1):
+        point = {fixed: value, searched: probe}
+        out = tmp_path / f"{probe}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "lab_helpers.real_model", "measure", "--config", str(config), "--batch",
+             str(point["batch"]), "--context", str(point["context"]), "--new-tokens", str(NEW_TOKENS),
+             "--decode-record-every", str(NEW_TOKENS), "--device", CHILD_DEVICE, "--output", str(out)],
+            cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
+        outcomes[probe] = proc.returncode
+        report({"family": family, "boundary": True, **point, "predicted_largest": largest, "exit": proc.returncode,
+                "stderr": proc.stderr.strip()[-300:]})
+    assert outcomes == {largest: 0, largest + 1: 3}

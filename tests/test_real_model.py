@@ -46,7 +46,7 @@ def test_bundled_configs_give_the_published_parameter_counts():
     # counts of the real models whose config.json each file copies
     expected = {"llama-3.1-8b": 8030261248, "llama-3.1-70b": 70553706496,
                 "qwen2.5-7b": 7615616512, "qwen1.5-0.5b": 463987712}
-    assert bundled_names() == sorted(expected)
+    assert set(expected) <= set(bundled_names())  # the other families: tests/test_families.py
     for name, count in expected.items():
         shape = load_config(name)
         assert shape.parameter_count() == count
