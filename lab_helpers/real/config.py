@@ -1,16 +1,18 @@
 """Architecture facts of a decoder-only transformers model, from a Hugging Face config.json.
 
-Only the standard library: a config is read and checked here once, before torch or
-transformers are imported, so that a bad file or an absurd size is refused at once.
-A config names its file or a bundled one under data/models/ (architecture facts only,
-never weights).
+The file is read and its JSON checked here with the standard library (depth, size, finite
+numbers); its keys are then read through transformers' own config class (AutoConfig), whatever
+the family, and the lab keeps only what its figures need. A config names its file or a bundled
+one under data/models/ (architecture facts only, never weights).
 """
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.core.errors import LabError, safe_reason
 from lab_helpers.core.files import read_bounded_text
 from lab_helpers.core.text import printable
 from lab_helpers.core.numbers import DTYPE_BYTES
@@ -18,14 +20,6 @@ from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 
 MODELS_DIR = REPOSITORY / "data" / "models"
-# model_type -> the transformers class the lab builds; the three families validated on a GPU
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-REQUIRED_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_hidden_layers", "vocab_size")
 # Refused before any work: far beyond any published decoder (Llama 3.1 405B: hidden
 # 16384, 126 layers, 128 heads; the largest vocabularies are about 260k).
 MAX_MODEL_HIDDEN = 65536
@@ -34,6 +28,7 @@ MAX_LAYERS = 512
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_VOCAB = 2**20
+MAX_EXPERTS = 1024
 MAX_CONFIG_BYTES = 2**20  # a config.json is a few KiB
 MAX_CONFIG_DEPTH = 32  # published configs nest 3 levels (rope_scaling, quantization_config); more is no config
 MAX_CONFIG_INTEGER = 2**63  # transformers turns some whole numbers into floats or C integers: bound them
@@ -41,6 +36,14 @@ MAX_CONFIG_INTEGER = 2**63  # transformers turns some whole numbers into floats 
 # tensor read back to Python with .item()): on the meta device there are no values to read
 DATA_DEPENDENT_ROPES = {"dynamic": "dynamic NTK scaling recomputes its frequencies from the largest position seen",
                         "longrope": "longrope picks its short or long factors from the largest position seen"}
+# cache layer types of transformers' DynamicCache that hold keys and values per token; the
+# window of a sliding (or chunked) one bounds what it keeps
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# keys of a config.json that transformers reads as the file's metadata, not as the model's
+METADATA_KEYS = ("model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
+# the bytes of the int64 scalar (the window) a sliding cache layer moves to the device, as the
+# caching allocator rounds it
+SLIDING_WINDOW_TENSOR_BYTES = 512
 
 
 class ConfigError(LabError, ValueError):
@@ -50,7 +53,12 @@ class ConfigError(LabError, ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory of inference depends on, checked once where it is built."""
+    """What the memory of inference depends on, read from transformers' own config class
+    (AutoConfig) and checked once where it is built.
+
+    `layer_windows` holds one entry per cache layer: None for a layer that keeps every
+    position, the window for a sliding (or chunked) one, as transformers' DynamicCache lays
+    them out. `key_dim` and `value_dim` are the widths of one head's cached key and value."""
 
     name: str
     architecture: str
@@ -63,29 +71,73 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
-    attention_bias: bool
-    max_positions: int | None
+    max_positions: "int | None"
     raw: dict  # the config as given, passed to transformers unchanged
+    key_dim: int = 0
+    value_dim: int = 0
+    layer_windows: tuple = ()
+    experts: int = 0  # routed experts of a mixture of experts (0: a dense model)
+    experts_per_token: int = 0
+    tensor_parallel_plan: bool = True  # whether the config class has transformers' base_model_tp_plan
+
+    def __post_init__(self):
+        if not self.key_dim:
+            object.__setattr__(self, "key_dim", self.head_dim)
+        if not self.value_dim:
+            object.__setattr__(self, "value_dim", self.head_dim)
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (None,) * self.layers)
+
+    @property
+    def sliding_window(self) -> "int | None":
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    def built_facts(self) -> dict:
+        """Facts of the model transformers builds (on the meta device: no memory)."""
+        return built_model_facts(self.raw)
+
+    @property
+    def attention_bias(self) -> bool:
+        return self.built_facts()["attention_bias"]
 
     def parameter_count(self) -> int:
         """Parameters of the model transformers builds from this config (tied ones once)."""
-        q = self.hidden * self.heads * self.head_dim
-        kv = 2 * self.hidden * self.kv_heads * self.head_dim
-        o = self.heads * self.head_dim * self.hidden
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.attention_bias else 0
-        if self.model_type == "llama" and self.attention_bias:
-            bias += self.hidden  # llama's attention_bias also puts a bias on o_proj
-        mlp = 3 * self.hidden * self.intermediate
-        per_layer = q + kv + o + bias + mlp + 2 * self.hidden  # two RMSNorm weights
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + embeddings + self.hidden  # final norm
+        return self.built_facts()["parameter_count"]
 
     def parameter_bytes(self, dtype: str) -> int:
         return self.parameter_count() * DTYPE_BYTES[dtype]
 
-    def kv_cache_bytes(self, batch: int, tokens: int, dtype: str) -> int:
-        """Keys and values of every layer for `tokens` positions."""
-        return 2 * self.layers * batch * self.kv_heads * tokens * self.head_dim * DTYPE_BYTES[dtype]
+    def layer_positions(self, window, positions: int, last_update: int = 1) -> int:
+        """Positions one cache layer's key (or value) storage holds after `positions` tokens, the
+        last `last_update` of them added by the latest forward pass.
+
+        A full layer concatenates every position. A sliding layer (DynamicSlidingWindowLayer)
+        concatenates what it kept with the new tokens and keeps a view of the last window - 1:
+        the storage of that concatenation, at most window - 1 + last_update positions, stays
+        alive until the next pass."""
+        if window is None or positions <= 0:
+            return max(positions, 0)
+        return min(positions - last_update, window - 1) + last_update
+
+    def kv_cache_bytes(self, batch: int, tokens: int, dtype: str, last_update: int = 1,
+                       rounded: bool = False) -> int:
+        """Keys and values of every cache layer after `tokens` positions (see layer_positions);
+        with `rounded`, each tensor as the caching allocator rounds it, and each sliding
+        layer's window scalar on the device."""
+        total = 0
+        for window in self.layer_windows:
+            kept = self.layer_positions(window, tokens, last_update)
+            if not kept:
+                continue
+            per_position = batch * self.kv_heads * DTYPE_BYTES[dtype]
+            keys, values = per_position * kept * self.key_dim, per_position * kept * self.value_dim
+            if rounded:
+                keys, values = AllocatorModel.round_size(keys), AllocatorModel.round_size(values)
+                if window is not None:
+                    total += SLIDING_WINDOW_TENSOR_BYTES
+            total += keys + values
+        return total
 
     def describe(self) -> dict:
         return {
@@ -94,33 +146,111 @@ class ModelShape:
             "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
             "vocab": self.vocab, "tied_embeddings": self.tied_embeddings,
             "attention_bias": self.attention_bias, "max_positions": self.max_positions,
+            "sliding_window": self.sliding_window,
+            "sliding_layers": sum(w is not None for w in self.layer_windows),
+            "experts": self.experts, "experts_per_token": self.experts_per_token,
             "parameter_count": self.parameter_count(),
         }
+
+
+_BUILT = {}  # config text -> facts of the model built from it on meta
+
+
+def built_model_facts(raw: dict) -> dict:
+    """Parameter count (tied ones once) and whether the attention projections carry a bias, of the
+    model AutoModelForCausalLM.from_config builds, built on the meta device."""
+    key = json.dumps(raw, sort_keys=True)
+    if key not in _BUILT:
+        import torch
+        from transformers import AutoModelForCausalLM
+        config = transformers_config_of(raw)
+        with torch.device("meta"):
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            except (TypeError, ValueError, KeyError, AssertionError, OverflowError, ZeroDivisionError,
+                    AttributeError, IndexError, RuntimeError, NotImplementedError) as exc:
+                raise ConfigError(f"{key_named(exc, raw)}refused by transformers as the model is built: "
+                                  f"{one_line_reason(exc)}") from None
+        names = [n for n, _ in model.named_parameters()]
+        _BUILT[key] = {
+            "parameter_count": sum(p.numel() for p in model.parameters()),
+            "attention_bias": any(n.endswith(("q_proj.bias", "k_proj.bias", "qkv_proj.bias", "c_attn.bias",
+                                              "query_key_value.bias", "q_a_proj.bias", "q_b_proj.bias"))
+                                  for n in names),
+        }
+        del model
+    return _BUILT[key]
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """transformers' validation messages span lines ("Validation error for field 'x':" then why):
+    joined into one, with file paths blanked."""
+    joined = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return safe_reason(RuntimeError(joined)).split(": ", 1)[-1].replace("RuntimeError: ", "", 1)
+
+
+def key_named(exc: BaseException, raw: dict) -> str:
+    """'config key K ' (or 'config keys K and L ') for the keys of `raw` the library's message names:
+    quoted, through the validator's name ("validate_layer_type": layer_types) or in words ("the
+    number of attention heads"); else 'config '."""
+    text = str(exc)
+    lowered = text.lower()
+    found = {}
+    for key in raw:
+        at = min((i for i in (text.find(f"'{key}'"), text.find(f"`{key}`")) if i >= 0), default=-1)
+        if at >= 0:
+            found[key] = at
+    validator = re.search(r"validator 'validate_(\w+)'", text)
+    if validator:
+        found.update({k: -1 for k in raw if k.startswith(validator.group(1))})
+    if not found:
+        found = {k: lowered.find(k.removeprefix("num_").replace("_", " ")) for k in raw
+                 if "_" in k and k.removeprefix("num_").replace("_", " ") in lowered}
+    if not found:  # a value the message quotes (an activation's name)
+        found = {k: text.find(raw[k]) for k in raw
+                 if k != "model_type" and isinstance(raw[k], str) and len(raw[k]) > 2 and raw[k] in text}
+    if found:
+        keys = [k for k, _ in sorted(found.items(), key=lambda item: item[1])][:3]
+        return f"config key {keys[0]!r} " if len(keys) == 1 else \
+            f"config keys {' and '.join(map(repr, keys))} "
+    if "rope" in text:
+        return "config key 'rope_parameters' "
+    return "config "
+
+
+def transformers_config_of(raw: dict):
+    """The transformers config (AutoConfig) of a config dict, with the attention the lab measures
+    (SDPA); ConfigError naming the key when transformers refuses it."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    kwargs = {k: v for k, v in raw.items() if k not in METADATA_KEYS}
+    for key in ("rope_parameters", "rope_scaling"):  # checked before the library warns of it on stderr
+        rope = kwargs.get(key) if isinstance(kwargs.get(key), dict) else {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"config key {key!r}: unknown rope_type {rope_type!r}; transformers knows "
+                              f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    from transformers.utils import logging as transformers_logging
+    verbosity = transformers_logging.get_verbosity()
+    # the library warns on stderr of what the lab then refuses in its own line (a token id past the
+    # vocabulary): quiet while the config is built, as it was before after
+    transformers_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.for_model(raw["model_type"], **kwargs)
+    except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError,
+            StrictDataclassError) as exc:
+        # transformers validates its fields (types, rope keys, layer_types) as the config is built
+        raise ConfigError(f"{key_named(exc, kwargs)}refused by transformers: {one_line_reason(exc)}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    config._attn_implementation = "sdpa"
+    return config
 
 
 def bundled_names() -> list:
     """Names of the configs shipped under data/models/."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
-
-
-def _whole(raw: dict, key: str, low: int, high: int, default=None) -> int:
-    if key not in raw:
-        if default is None:
-            raise ConfigError(f"config lacks the required key {key!r}")
-        return default
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigError(f"config key {key!r} must be from {low} to {high}, got {value}")
-    return value
-
-
-def _flag(raw: dict, key: str, default: bool) -> bool:
-    value = raw.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
-    return value
 
 
 def _check_values(value, key: str, depth: int = 0) -> None:
@@ -173,73 +303,139 @@ def _rope_block(raw: dict) -> "dict | None":
     return None
 
 
+def _bounded(value, key: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"config key {key!r} must be from {low} to {high}, got {value}")
+    return value
+
+
+def _refuse_before_transformers(raw: dict) -> str:
+    """What is refused before transformers is asked: the model type's form, remote code,
+    quantized weights, rope types chosen from the positions' values. Returns the model type."""
+    if "model_type" not in raw:
+        raise ConfigError("config lacks the required key 'model_type' (transformers chooses the config "
+                          "class and the model by it)")
+    model_type = raw["model_type"]
+    if not isinstance(model_type, str):
+        raise ConfigError(f"config key 'model_type' must be a string, got {type(model_type).__name__}")
+    if raw.get("auto_map") is not None:
+        raise ConfigError("config key 'auto_map' names remote code (the model's own Python files); the lab "
+                          "never imports or downloads it, so it cannot build that model")
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ConfigError(f"config key 'quantization_config' (quant_method {printable(str(method))}): quantized "
+                          f"weights are not predicted; from_config builds unquantized weights and the "
+                          f"quantization runs its library's own CUDA kernels, which the meta-device trace cannot "
+                          f"see (remove the key to predict the unquantized model)")
+    if raw.get("rope_theta") is not None:
+        _positive_number(raw["rope_theta"], "rope_theta")
+    _rope_block(raw)
+    return model_type
+
+
 def parse_config(raw, name: str) -> ModelShape:
-    """Check a config dict and return its shape; raise ConfigError naming the key."""
+    """Check a config dict, read it through transformers' config class and return its shape;
+    raise ConfigError naming the key."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: a config.json must hold a JSON object")
     for key, value in raw.items():
         _check_values(value, key)
-    for key in REQUIRED_KEYS:
-        if key not in raw:
+    model_type = _refuse_before_transformers(raw)
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ConfigError(f"config key 'model_type' names {printable(model_type)!r}, a model type transformers "
+                          f"{_transformers_version()} does not know (and remote code is never run)")
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        raise ConfigError(f"config key 'model_type': {model_type!r} has no causal language model in transformers "
+                          f"{_transformers_version()} (AutoModelForCausalLM cannot build it)")
+    config = transformers_config_of(raw)
+    text = config.get_text_config(decoder=True)
+    aliases = getattr(text, "attribute_map", {}) or {}
+
+    def read(attribute, low, high, default=None):
+        key = aliases.get(attribute, attribute)
+        value = getattr(text, attribute, None)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"config lacks the key {key!r} that {type(text).__name__} needs")
+            return default
+        return _bounded(value, key, low, high)
+
+    # a config class's defaults for the sizes are those of one published model: a file that does
+    # not name them is no model's config
+    given = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and text is not config else raw
+    for attribute in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        key = aliases.get(attribute, attribute)
+        if attribute == "intermediate_size" and getattr(text, attribute, None) is None:
+            continue  # a class without the key (GPT-2: n_inner, four times the width by default)
+        if key not in given and attribute not in given:
             raise ConfigError(f"config lacks the required key {key!r}")
-    model_type = raw["model_type"]
-    if not isinstance(model_type, str):
-        raise ConfigError(f"config key 'model_type' must be a string, got {type(model_type).__name__}")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"config key 'model_type' names an unsupported architecture {model_type!r}; "
-                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("quantization_config") is not None:
-        raise ConfigError("config key 'quantization_config': quantised weights are not covered")
-    hidden = _whole(raw, "hidden_size", 1, MAX_MODEL_HIDDEN)
-    intermediate = _whole(raw, "intermediate_size", 1, MAX_INTERMEDIATE)
-    layers = _whole(raw, "num_hidden_layers", 1, MAX_LAYERS)
-    heads = _whole(raw, "num_attention_heads", 1, MAX_HEADS)
-    kv_heads = _whole(raw, "num_key_value_heads", 1, MAX_HEADS, default=heads)
-    vocab = _whole(raw, "vocab_size", 1, MAX_VOCAB)
-    if raw.get("head_dim") is None:
-        if hidden % heads:
-            raise ConfigError(f"config key 'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden})")
-        head_dim = hidden // heads
-    else:
-        head_dim = _whole(raw, "head_dim", 1, MAX_HEAD_DIM)
+    hidden = read("hidden_size", 1, MAX_MODEL_HIDDEN)
+    layers = read("num_hidden_layers", 1, MAX_LAYERS)
+    heads = read("num_attention_heads", 1, MAX_HEADS)
+    kv_heads = read("num_key_value_heads", 1, MAX_HEADS, default=heads)
+    vocab = read("vocab_size", 1, MAX_VOCAB)
+    intermediate = read("intermediate_size", 1, MAX_INTERMEDIATE, default=0) or \
+        read("n_inner", 1, MAX_INTERMEDIATE, default=4 * hidden)  # GPT-2's default: four times the width
+    if getattr(text, "head_dim", None) is None and hidden % heads:
+        raise ConfigError(f"config key {aliases.get('num_attention_heads', 'num_attention_heads')!r} ({heads}) "
+                          f"must divide {aliases.get('hidden_size', 'hidden_size')!r} ({hidden})")
+    head_dim = read("head_dim", 1, MAX_HEAD_DIM, default=hidden // heads)
     if heads % kv_heads:
         raise ConfigError(f"config key 'num_key_value_heads' ({kv_heads}) must divide "
                           f"'num_attention_heads' ({heads})")
-    if head_dim % 2:
-        raise ConfigError(f"config key 'head_dim' must be even for rotary embeddings, got {head_dim}")
-    max_positions = raw.get("max_position_embeddings")
+    key_dim = value_dim = head_dim
+    if getattr(text, "kv_lora_rank", None) is not None and getattr(text, "qk_rope_head_dim", None) is not None:
+        # multi-head latent attention (DeepSeek-V3): transformers 5.17 caches the compressed
+        # latents as one head, the normalised latent as "keys" and the rotated rope part as "values"
+        key_dim = read("kv_lora_rank", 1, MAX_MODEL_HIDDEN)
+        value_dim = read("qk_rope_head_dim", 1, MAX_HEAD_DIM)
+        kv_heads = 1
+    if getattr(text, "rope_parameters", None) is not None and "partial_rotary_factor" not in \
+            (text.rope_parameters or {}) and key_dim % 2:
+        raise ConfigError(f"config key 'head_dim' must be even for rotary embeddings, got {key_dim}")
+    max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions is not None:
-        max_positions = _whole(raw, "max_position_embeddings", 1, 2**31 - 1)
-    tied = _flag(raw, "tie_word_embeddings", False)  # the default of all three config classes
-    if model_type == "qwen2":
-        bias = True  # qwen2's q, k and v projections always carry a bias
-        if _flag(raw, "use_sliding_window", False):
-            raise ConfigError("config key 'use_sliding_window': sliding-window attention is not covered")
-    else:
-        bias = _flag(raw, "attention_bias", False)
-    if _flag(raw, "mlp_bias", False):
-        raise ConfigError("config key 'mlp_bias': biased MLP projections are not covered")
-    if model_type == "mistral" and raw.get("sliding_window") is not None:
-        raise ConfigError("config key 'sliding_window': sliding-window attention is not covered (set it to null)")
-    for key in ("hidden_act",):
-        if raw.get(key, "silu") != "silu":
-            raise ConfigError(f"config key {key!r} must be 'silu', got {raw[key]!r}")
-    layer_types = raw.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers
-                                    or not all(isinstance(t, str) for t in layer_types)):
-        raise ConfigError(f"config key 'layer_types' must be a list of {layers} strings (one per layer)")
-    pad = raw.get("pad_token_id")
+        max_positions = _bounded(max_positions, aliases.get("max_position_embeddings", "max_position_embeddings"),
+                                 1, 2**31 - 1)
+    pad = getattr(text, "pad_token_id", None)
     # nn.Embedding's padding_idx: a token id, or counted from the end of the vocabulary when negative
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
         raise ConfigError(f"config key 'pad_token_id' must be null or a token id from {-vocab} to {vocab - 1}, "
                           f"got {pad!r}")
-    if raw.get("rope_theta") is not None:
-        _positive_number(raw["rope_theta"], "rope_theta")
-    _rope_block(raw)
-    return ModelShape(name=name, architecture=SUPPORTED_ARCHITECTURES[model_type], model_type=model_type,
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    unknown = sorted({t for t in layer_types if t not in KV_LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"config key 'layer_types' holds {', '.join(map(repr, unknown))}: a cache layer of "
+                          f"recurrent or compressed state, for which the lab has no key/value-cache figure")
+    window = layer_kwargs.get("sliding_window")
+    if any(t != "full_attention" for t in layer_types):
+        window = _bounded(window, "sliding_window", 1, 2**31 - 1)
+    windows = tuple(None if t == "full_attention" else window for t in layer_types)
+    experts = 0
+    for attribute in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if isinstance(getattr(text, attribute, None), int) and getattr(text, attribute) > 0:
+            experts = read(attribute, 1, MAX_EXPERTS)
+            break
+    per_token = read("num_experts_per_tok", 1, MAX_EXPERTS, default=0) if experts else 0
+    return ModelShape(name=name, architecture=architecture, model_type=model_type,
                       hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
-                      kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, tied_embeddings=tied,
-                      attention_bias=bias, max_positions=max_positions, raw=dict(raw))
+                      kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
+                      tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                      max_positions=max_positions, raw=dict(raw), key_dim=key_dim, value_dim=value_dim,
+                      layer_windows=windows, experts=experts, experts_per_token=per_token,
+                      tensor_parallel_plan=bool(getattr(type(text), "base_model_tp_plan", None)))
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
 
 
 def _config_too_deep(text: str, limit: int) -> bool:
@@ -319,7 +515,7 @@ def load_config(path_or_name: str) -> ModelShape:
 def check_tensor_parallel(shape: ModelShape, degree) -> None:
     """Raise ConfigError unless `degree` GPUs can split `shape` with transformers' plan.
 
-    The plan of the three supported families shards q, k and v projections by output
+    The plan of the llama, mistral and qwen2 families (the ones measured at N > 1) shards q, k and v projections by output
     features (whole heads: num_attention_heads and num_key_value_heads), o_proj by input
     features (the heads again), gate and up projections by output features and down_proj
     by input features (intermediate_size), and lm_head by output features (vocab_size,
@@ -330,6 +526,9 @@ def check_tensor_parallel(shape: ModelShape, degree) -> None:
         raise ConfigError(f"--tensor-parallel must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {degree!r}")
     if degree == 1:
         return
+    if not shape.tensor_parallel_plan:
+        raise ConfigError(f"--tensor-parallel {degree}: transformers has no tensor-parallel plan "
+                          f"(base_model_tp_plan) for model_type {shape.model_type!r}; it runs on one GPU only")
     for key, value in (("num_attention_heads", shape.heads), ("num_key_value_heads", shape.kv_heads),
                        ("hidden_size", shape.hidden), ("intermediate_size", shape.intermediate),
                        ("vocab_size", shape.vocab)):

@@ -11,7 +11,6 @@ from lab_helpers.allocator.expandable import CappedExpandableAllocator, Expandab
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
 from lab_helpers.real.protocol import run_protocol
@@ -173,10 +172,11 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
     return prediction
 
 
-def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str) -> int:
-    """Allocated bytes of DynamicCache's keys and values: one tensor each per layer."""
-    one = batch * shape.kv_heads * positions * shape.head_dim * DTYPE_BYTES[dtype]
-    return 2 * shape.layers * AllocatorModel.round_size(one) if positions else 0
+def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str, last_update: int = 1) -> int:
+    """Allocated bytes of DynamicCache's keys and values: one tensor each per cache layer, a sliding
+    layer's cropped to its window as transformers' DynamicSlidingWindowLayer keeps it
+    (ModelShape.kv_cache_bytes)."""
+    return shape.kv_cache_bytes(batch, positions, dtype, last_update=last_update, rounded=True)
 
 
 def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weights: int, workspace: int) -> None:
@@ -185,13 +185,14 @@ def _where_the_bytes_go(prediction: dict, shape: ModelShape, spec: RunSpec, weig
     to end_allocated_bytes) and, as earlier versions wrote it, ``bytes_at_end``."""
     prompt = _prompt_bytes(spec)
     for record in prediction["phases"]:
+        last_update = 1
         if record["phase"] in ("model_load", "inputs"):
             positions = 0
         elif record["phase"] == "prefill":
-            positions = spec.context
+            positions = last_update = spec.context
         else:
             positions = spec.context + record["index"] + 1
-        kv = _kv_cache_bytes(shape, spec.batch, positions, spec.dtype)
+        kv = _kv_cache_bytes(shape, spec.batch, positions, spec.dtype, last_update)
         held_workspace = workspace if record["phase"] in ("prefill", "decode") else 0
         record["bytes_at_end"] = {
             "weights_bytes": weights,

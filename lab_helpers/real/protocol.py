@@ -8,45 +8,17 @@ one GPU (lab_helpers/real/parallel.py measures one rank of a tensor-parallel run
 import contextlib
 
 from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
-from lab_helpers.core.errors import LabError, safe_reason
+from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
-from lab_helpers.real.config import ConfigError, ModelShape
+from lab_helpers.real.config import ConfigError, ModelShape, key_named, one_line_reason, transformers_config_of
 from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, run_configuration
 
 def transformers_config(shape: ModelShape):
     """The transformers config of `shape`, with the attention the lab measures (SDPA)."""
-    from transformers import AutoConfig
-    raw = {k: v for k, v in shape.raw.items() if k not in ("model_type", "architectures", "auto_map",
-                                                           "torch_dtype", "dtype", "transformers_version")}
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    for key in ("rope_parameters", "rope_scaling"):  # checked before the library warns of it on stderr
-        rope = raw.get(key) if isinstance(raw.get(key), dict) else {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ConfigError(f"config key {key!r}: unknown rope_type {rope_type!r}; transformers knows "
-                              f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    try:
-        config = AutoConfig.for_model(shape.model_type, **raw)
-    except (TypeError, ValueError, KeyError, OverflowError, AttributeError, StrictDataclassError) as exc:
-        # transformers validates its fields (types, rope keys, layer_types) as the config is built
-        raise ConfigError(f"{_key_named(exc, raw)}refused by transformers: {safe_reason(exc)}") from None
-    config._attn_implementation = "sdpa"
-    return config
-
-
-def _key_named(exc: BaseException, raw: dict) -> str:
-    """'config key K ' for the first key of `raw` the library's message names, else 'config '."""
-    text = str(exc)
-    for key in sorted(raw, key=len, reverse=True):
-        if f"'{key}'" in text or f"`{key}`" in text:
-            return f"config key {key!r} "
-    if "rope" in text:
-        return "config key 'rope_parameters' "
-    return "config "
+    return transformers_config_of(shape.raw)
 
 
 def _import_model_code(hf_config) -> None:
@@ -68,8 +40,8 @@ def _import_model_code(hf_config) -> None:
             AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa")
         except (TypeError, ValueError, KeyError, AssertionError, OverflowError, ZeroDivisionError) as exc:
             # a config transformers accepted but cannot build a model of (the first build is this one)
-            raise ConfigError(f"{_key_named(exc, dict(hf_config.to_dict()))}refused by transformers as the model "
-                              f"is built: {safe_reason(exc)}") from None
+            raise ConfigError(f"{key_named(exc, dict(hf_config.to_dict()))}refused by transformers as the model "
+                              f"is built: {one_line_reason(exc)}") from None
 
 
 @contextlib.contextmanager
@@ -167,6 +139,8 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
     hf_config = transformers_config(shape)
     dtype = getattr(torch, spec.dtype)
     state = {}
+    if device.type == "meta":
+        phase = _refusing_what_meta_cannot_run(phase)
     if model is None:
         _import_model_code(hf_config)
     if spec.tensor_parallel > 1 and mesh is None:
@@ -220,6 +194,22 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
         for step in range(spec.new_tokens):
             phase("decode", decode_step, step, step in recorded)
     state.clear()
+
+
+def _refusing_what_meta_cannot_run(phase):
+    """`phase` whose action, traced on the meta device, turns an op that needs values (a
+    data-dependent size, .item(), an op without a meta kernel) into one line naming the op."""
+    def guarded_phase(name, action, index, recorded):
+        def guarded():
+            try:
+                return action()
+            except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError, AssertionError) as exc:
+                if isinstance(exc, LabError):
+                    raise
+                raise LabError(f"the {name} phase cannot be traced on the meta device (sizes without values): "
+                               f"{one_line_reason(exc)}") from None
+        return phase(name, guarded, index, recorded)
+    return guarded_phase
 
 
 def check_cuda(torch, spec: RunSpec):

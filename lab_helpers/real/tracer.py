@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -116,6 +117,26 @@ def _plain_storage(t) -> bool:
     return t.untyped_storage().nbytes() == span * t.element_size()
 
 
+# Python data made a tensor on the device (torch.tensor(3.5, device=...)) reaches no aten op a
+# dispatch mode sees: the copy to the device happens inside the factory. On CUDA it is an
+# allocation all the same (Gemma's embed_scale buffer, 512 bytes once rounded).
+DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+class _DataFactories(TorchFunctionMode):
+    """Hands the meta tensors that DATA_FACTORIES make to the tracer as new storages."""
+
+    def __init__(self, tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in DATA_FACTORIES and isinstance(result, torch.Tensor) and result.device.type == "meta":
+            self.tracer._track(result, ())
+        return result
+
+
 class AllocationTracer(TorchDispatchMode):
     """Feeds every CUDA-equivalent allocation and release of meta-device code to an AllocatorModel."""
 
@@ -132,6 +153,18 @@ class AllocationTracer(TorchDispatchMode):
         self.workspace_bytes = 0  # held by cuBLAS/cuBLASLt for the process's life
         self.requests = 0
         self.layouts = {}  # (op, input layouts) -> output layouts, see _run
+
+    def __enter__(self):
+        factories = _DataFactories(self)
+        factories.__enter__()
+        self.factory_modes = getattr(self, "factory_modes", []) + [factories]
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self.factory_modes.pop().__exit__(*exc_info)
 
     # ------------------------------------------------------------ bookkeeping
     def collect(self, settled: bool = False) -> None:
