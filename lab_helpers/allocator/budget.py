@@ -54,8 +54,8 @@ class BudgetMixin:
     It needs of the allocator `reserved`, `allocated` and `malloc`; `device_growth` and
     `release_cached` below read AllocatorModel's pools and segments, and an allocator with another
     layout (expandable segments) overrides those two. `budget_bytes` may change between phases (the
-    free memory a measurement recorded per phase). `releases` lists every release-and-retry:
-    (bytes released, reserved after the release)."""
+    free memory a measurement recorded per phase). `releases` lists every release whose retry
+    succeeded: (bytes released, reserved after the release); a failed one is the OutOfMemory."""
 
     budget_bytes = None
     releases = ()
@@ -88,11 +88,11 @@ class BudgetMixin:
             growth = self.device_growth(request_bytes)
             if growth and self.reserved + growth > budget:
                 released = self.release_cached()
-                self.releases = [*self.releases, (released, self.reserved)]  # rare: a new list is cheap
                 growth = self.device_growth(request_bytes)
                 if growth and self.reserved + growth > budget:
                     raise OutOfMemory(request_bytes, self.round_size(request_bytes), growth, self.reserved,
                                       self.allocated, budget, released)
+                self.releases = [*self.releases, (released, self.reserved)]  # rare: a new list is cheap
         return super().malloc(request_bytes)
 
 
