@@ -349,6 +349,8 @@ class CappedAllocator(BudgetMixin, AddressedAllocator):
     lab_helpers.allocator.budget's release-and-retry, then OutOfMemory. The budget may change
     between phases (`budget_bytes`)."""
 
+    error = OutOfMemory  # what malloc raises past the budget; fit and the tests import it from here
+
     def __init__(self, capacity_bytes=None):
         super().__init__()
         self.budget_bytes = capacity_bytes
