@@ -136,25 +136,6 @@ class AllocatorModel:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
 
-# ---- from lab_helpers/core/errors.py: Exit codes and the lab's one error type: a bad input or precondition is a LabError (one line, exit 2).
-EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3  # a phase failed on the GPU (out of memory, a CUDA error): 3
-
-
-class LabError(Exception):
-    """A bad input or precondition: one line, exit code 2."""
-
-
-EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
-
-
-def safe_reason(exc: BaseException) -> str:
-    """One line about `exc` with file paths blanked, so no home or user path leaks."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = re.sub(r"(?:[A-Za-z]:)?[\\/][^\s'\"]*", "<path>", text)
-    return f"{type(exc).__name__}: {text}"[:300]
-
-
 # ---- from lab_helpers/allocator/budget.py: The caching allocator on a device of bounded memory: release-and-retry, then out of memory.
 MAX_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
 
@@ -250,13 +231,6 @@ class BudgetedAllocatorModel(BudgetMixin, AllocatorModel):
         self.budget_bytes = budget_bytes
 
 
-def check_budget(value, name: str = "the memory budget") -> int:
-    """A budget in bytes: a whole number from 1 to MAX_BUDGET_BYTES, else LabError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET_BYTES:
-        raise LabError(f"{name} must be a whole number of bytes from 1 to 2^50, got {value!r}")
-    return value
-
-
 def measured_budgets(records: list) -> "list | None":
     """The budget each measured phase ran under, from its record (None when a record lacks the
     device's free bytes: a file written before they were recorded).
@@ -283,6 +257,29 @@ def measured_budgets(records: list) -> "list | None":
 
 UNBOUNDED_NOTE = ("reserved is predicted for an unbounded device: no release of cached segments and no "
                   "out-of-memory error are replayed")
+
+
+UNRECORDED_NOTE = ("the measurement did not record the device's free bytes (a file written before they were "
+                   "recorded), so no release of cached segments and no out-of-memory error are replayed")
+
+
+# ---- from lab_helpers/core/errors.py: Exit codes and the lab's one error type: a bad input or precondition is a LabError (one line, exit 2).
+EXIT_OK, EXIT_USAGE, EXIT_PHASE = 0, 2, 3  # a phase failed on the GPU (out of memory, a CUDA error): 3
+
+
+class LabError(Exception):
+    """A bad input or precondition: one line, exit code 2."""
+
+
+EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
+
+
+def safe_reason(exc: BaseException) -> str:
+    """One line about `exc` with file paths blanked, so no home or user path leaks."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = re.sub(r"(?:[A-Za-z]:)?[\\/][^\s'\"]*", "<path>", text)
+    return f"{type(exc).__name__}: {text}"[:300]
 
 
 # ---- from lab_helpers/core/numbers.py: Units, and parsers of the numbers and device names a user types (ASCII digits, bounded before conversion).
@@ -2721,8 +2718,7 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
         rows.append(row)
     allocated_keys = [k for k in COMPARED_KEYS if "allocated" in k]
     budget = {"replayed_under": "an unbounded device" if budgets is None else "the measured budget of each phase",
-              "rule": (f"{UNBOUNDED_NOTE}: the measurement did not record the device's free bytes (a file "
-                       "written before they were recorded)") if budgets is None else MEASURED_BUDGET_RULE}
+              "rule": UNRECORDED_NOTE if budgets is None else MEASURED_BUDGET_RULE}
     if "out_of_memory" in replay:
         budget["predicted_out_of_memory"] = replay["out_of_memory"]
     return {

@@ -7,7 +7,6 @@ raises torch.OutOfMemoryError. `BudgetMixin` replays exactly that against a budg
 allocator's segments may add up to (reserved) before cudaMalloc fails. Standard library only.
 """
 from lab_helpers.allocator.model import SMALL_REQUEST_MAX_BYTES, AllocatorModel
-from lab_helpers.core.errors import LabError
 
 
 MAX_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
@@ -104,13 +103,6 @@ class BudgetedAllocatorModel(BudgetMixin, AllocatorModel):
         self.budget_bytes = budget_bytes
 
 
-def check_budget(value, name: str = "the memory budget") -> int:
-    """A budget in bytes: a whole number from 1 to MAX_BUDGET_BYTES, else LabError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET_BYTES:
-        raise LabError(f"{name} must be a whole number of bytes from 1 to 2^50, got {value!r}")
-    return value
-
-
 def measured_budgets(records: list) -> "list | None":
     """The budget each measured phase ran under, from its record (None when a record lacks the
     device's free bytes: a file written before they were recorded).
@@ -137,3 +129,7 @@ def measured_budgets(records: list) -> "list | None":
 
 UNBOUNDED_NOTE = ("reserved is predicted for an unbounded device: no release of cached segments and no "
                   "out-of-memory error are replayed")
+
+
+UNRECORDED_NOTE = ("the measurement did not record the device's free bytes (a file written before they were "
+                   "recorded), so no release of cached segments and no out-of-memory error are replayed")

@@ -7,7 +7,7 @@ parallel N every rank in turn under torch's fake process-group backend.
 import contextlib
 from dataclasses import replace
 
-from lab_helpers.allocator.budget import UNBOUNDED_NOTE, measured_budgets
+from lab_helpers.allocator.budget import UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES
@@ -348,9 +348,7 @@ def compare_model(measurement: dict) -> dict:
 
     measured_env = measurement.get("environment") or {}
     budget = {"replayed_under": "the measured budget of each phase" if bounded else "an unbounded device",
-              "rule": MEASURED_BUDGET_SOURCE if bounded else
-              f"{UNBOUNDED_NOTE}: the measurement did not record the device's free bytes (a file written "
-              "before they were recorded)"}
+              "rule": MEASURED_BUDGET_SOURCE if bounded else UNRECORDED_NOTE}
     if "out_of_memory" in prediction:
         budget["predicted_out_of_memory"] = prediction["out_of_memory"]
     return {

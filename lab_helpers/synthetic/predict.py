@@ -1,7 +1,8 @@
 """Predicting the synthetic network's allocator counters per phase, and comparing a measurement with its prediction."""
 import math
 
-from lab_helpers.allocator.budget import BudgetedAllocatorModel, OutOfMemory, UNBOUNDED_NOTE, measured_budgets
+from lab_helpers.allocator.budget import (BudgetedAllocatorModel, OutOfMemory, UNBOUNDED_NOTE, UNRECORDED_NOTE,
+                                          measured_budgets)
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
@@ -261,8 +262,7 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
         rows.append(row)
     allocated_keys = [k for k in COMPARED_KEYS if "allocated" in k]
     budget = {"replayed_under": "an unbounded device" if budgets is None else "the measured budget of each phase",
-              "rule": (f"{UNBOUNDED_NOTE}: the measurement did not record the device's free bytes (a file "
-                       "written before they were recorded)") if budgets is None else MEASURED_BUDGET_RULE}
+              "rule": UNRECORDED_NOTE if budgets is None else MEASURED_BUDGET_RULE}
     if "out_of_memory" in replay:
         budget["predicted_out_of_memory"] = replay["out_of_memory"]
     return {
