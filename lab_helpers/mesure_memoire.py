@@ -2608,7 +2608,8 @@ def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: i
             free(live.pop("output"))
     except OutOfMemory as exc:
         return {"phases": phases, "cache_releases": releases, "out_of_memory": exc.report()}
-    return {"phases": phases, "cache_releases": releases}
+    # without a budget nothing is ever released: the document keeps its earlier form
+    return {"phases": phases, "cache_releases": releases} if budget is not None else {"phases": phases}
 
 
 # What compare needs of a document: a synthetic configuration and phases with their counters (a

@@ -279,7 +279,7 @@ def test_real_compare_is_exact_under_the_recorded_budget_where_the_unbounded_rep
     shape = parse_config(TINY, "tiny")
     spec = RunSpec("tiny", batch=64, context=2048, new_tokens=2)
     free = predict_model(shape, spec)
-    assert free["overall"]["peak_reserved_bytes"] == 293601280 and free["cache_releases"] == []
+    assert free["overall"]["peak_reserved_bytes"] == 293601280 and "cache_releases" not in free
     bounded = predict_model(shape, spec, capacity_bytes=280000000, report_out_of_memory=True)
     assert bounded["overall"]["peak_reserved_bytes"] == 276824064
     assert [p["end_reserved_bytes"] for p in bounded["phases"]] == [2097152, 2097152, 276824064, 276824064, 276824064]

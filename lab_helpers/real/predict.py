@@ -207,8 +207,9 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
         "assumptions": REAL_MODEL_ASSUMPTIONS,
         "overall": totals,
         "phases": phases,
-        "cache_releases": releases,
     }
+    if phase_budget is not None or capacity_bytes is not None:  # without a budget nothing is released
+        prediction["cache_releases"] = releases
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
     _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)

@@ -24,7 +24,7 @@ def model_prediction_table(result: dict) -> str:
     table = _right_aligned_table(rows, (["rank"] if "ranks" in result else []) + [
         "phase", "index", "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes",
         "weights_bytes", "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
-    return head + budget_lines(result) + table + out_of_memory_lines(result.get("out_of_memory"))
+    return head + table + "\n" + budget_lines(result).rstrip("\n") + out_of_memory_lines(result.get("out_of_memory"))
 
 
 def budget_lines(result: dict) -> str:
@@ -61,9 +61,9 @@ def model_comparison_table(result: dict) -> str:
     cols = (["rank"] if "tensor_parallel" in result else []) + ["phase", "index"] + [
         f"difference_{k}" for k in COUNTER_KEYS]
     budget = result.get("budget") or {}
-    head = f"replayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}\n"
+    tail = f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
     return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
-            + head + _right_aligned_table(result["rows"], cols)
+            + _right_aligned_table(result["rows"], cols) + tail
             + out_of_memory_lines(budget.get("predicted_out_of_memory")))
 
 
