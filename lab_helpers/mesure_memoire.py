@@ -1380,6 +1380,64 @@ def _strip_frames(snapshot: dict) -> dict:
     return {"segments": segments, "device_traces": traces}
 
 
+# What the out-of-memory file says of where its snapshot comes from: PyTorch's out-of-memory observer
+# (at the failing allocation, before the exception unwinds and frees the failed pass's tensors), or
+# the state after the exception reached the phase (the failed pass's intermediates already freed).
+SNAPSHOT_SOURCES = ("observer", "after unwinding")
+
+
+# torch.cuda.memory_stats() figures kept in the observer: the allocator's own counters at the failure.
+OBSERVER_STAT_KEYS = (
+    "allocated_bytes.all.current", "reserved_bytes.all.current", "active_bytes.all.current",
+    "requested_bytes.all.current", "inactive_split_bytes.all.current", "inactive_split.all.current",
+    "segment.all.current", "allocated_bytes.small_pool.current", "allocated_bytes.large_pool.current",
+    "reserved_bytes.small_pool.current", "reserved_bytes.large_pool.current",
+    "inactive_split_bytes.small_pool.current", "inactive_split_bytes.large_pool.current",
+    "num_ooms", "num_alloc_retries")
+
+
+MAX_ERROR_MESSAGE_CHARS = 2000  # PyTorch's out-of-memory message is about 500 characters
+
+
+def torch_format_size(size_bytes: int) -> str:
+    """A byte count as c10's format_size prints it in its out-of-memory message: bytes up to 1 KiB,
+    then KiB, MiB or GiB with two decimals (each unit up to and including 1024 of the one below)."""
+    if size_bytes <= 1024:
+        return f"{size_bytes} bytes"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20)):
+        if size_bytes <= scale * 1024:
+            return f"{size_bytes / scale:.2f} {unit}"
+    return f"{size_bytes / 2**30:.2f} GiB"
+
+
+_SIZE = r"(\d+(?:\.\d+)? (?:bytes|KiB|MiB|GiB))"
+# c10/cuda/CUDACachingAllocator.cpp (torch 2.1 to 2.11): "CUDA out of memory. Tried to allocate X. GPU N
+# has a total capacity of T of which F is free. [Process P has M memory in use. ][L allowed; ]Of the
+# allocated memory A is allocated by PyTorch, [with G allocated in private pools (e.g., CUDA Graphs), ]
+# and R is reserved by PyTorch but unallocated."
+_OOM_MESSAGE = re.compile(
+    r"Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE
+    + r" is free\. (?:.*?)(?:" + _SIZE + r" allowed; )?Of the allocated memory " + _SIZE
+    + r" is allocated by PyTorch, (?:with " + _SIZE + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?"
+    r"and " + _SIZE + r" is reserved by PyTorch but unallocated")
+
+
+def parse_oom_message(text) -> "dict | None":
+    """The figures of PyTorch's out-of-memory message, as printed ("22.15 GiB"), or None when `text`
+    is not that message: tried_to_allocate, gpu, total_capacity, free, allowed (None without a
+    per-process cap), allocated_by_pytorch, private_pools (None without any), reserved_unallocated."""
+    if not isinstance(text, str):
+        return None
+    found = _OOM_MESSAGE.search(text[:MAX_ERROR_MESSAGE_CHARS])
+    if found is None:
+        return None
+    keys = ("tried_to_allocate", "gpu", "total_capacity", "free", "allowed", "allocated_by_pytorch",
+            "private_pools", "reserved_unallocated")
+    figures = dict(zip(keys, found.groups()))
+    figures["gpu"] = int(figures["gpu"])
+    return figures
+
+
 def oom_snapshot_document(torch, device, failed_request_bytes) -> dict:
     """The lab's out-of-memory snapshot of `device` (a torch.device cuda:N) now: the allocator's
     segments and trace without tracebacks, the request that failed and the device's free bytes
@@ -1393,11 +1451,64 @@ def oom_snapshot_document(torch, device, failed_request_bytes) -> dict:
             "snapshot": _strip_frames(torch.cuda.memory._snapshot(device))}
 
 
+def observer_document(observed: dict, device: str) -> dict:
+    """The lab's out-of-memory document from what HistoryRecorder.observe kept: the snapshot at the
+    failing allocation, the request from its trace's last oom entry (the rounded request; the
+    observer's `alloc` is the segment asked for), the observer's four figures and the allocator's
+    counters; the per-process cap when the observer's limit is not the device's total."""
+    snapshot = observed["snapshot"]
+    traces = snapshot.get("device_traces", [])
+    index = observed["device_index"]
+    oom = [e for e in traces[index] if e.get("action") == "oom"] if index < len(traces) else []
+    limit, total = observed["device_limit_bytes"], observed["device_total_bytes"]
+    return {"kind": OOM_SNAPSHOT_KIND, "schema_version": SCHEMA_VERSION, "device": device,
+            "snapshot_source": "observer",
+            "failed_request_bytes": oom[-1]["size"] if oom else None,
+            "device_free_bytes": observed["device_free_bytes"], "device_total_bytes": total,
+            "process_limit_bytes": limit if limit != total else None,
+            "observer": {key: observed[key] for key in ("device_index", "alloc_bytes", "device_limit_bytes",
+                                                         "device_free_bytes", "stats")},
+            "snapshot": snapshot}
+
+
 def oom_snapshot_path(timeline_path) -> str:
     """Where `measure --timeline FILE` saves the out-of-memory snapshot: FILE with its .json suffix
     replaced by .oom.json (run.json -> run.oom.json), or FILE.oom.json."""
     text = os.fspath(timeline_path)
     return (text[:-len(".json")] if text.endswith(".json") else text) + ".oom.json"
+
+
+# c10 offers no way to detach an out-of-memory observer, so the lab attaches one per process and
+# routes it to the recorder of the run under way (None between runs).
+OOM_OBSERVER_ROUTE = {"attached": False, "recorder": None}
+
+
+def route_oom_observer(torch, recorder) -> bool:
+    """Send PyTorch's out-of-memory observer calls to `recorder` (None: to nobody), attaching the
+    observer on the first call with a recorder; True when it is attached.
+
+    ``torch._C._cuda_attach_out_of_memory_observer(fn)`` makes the caching allocator call
+    ``fn(device, alloc, device_limit, device_free)`` when an allocation fails for good (after it has
+    released its wholly free cached segments and retried), with its lock released and the GIL held,
+    just before it raises OutOfMemoryError: `alloc` is the segment it asked the device for
+    ("Tried to allocate"), `device_limit` the device's total memory (measured on an H200, torch
+    2.11: cudaMemGetInfo's total) or the per-process cap that set_per_process_memory_fraction set,
+    `device_free` cudaMemGetInfo's free bytes. The failed pass's tensors are still allocated then."""
+    OOM_OBSERVER_ROUTE["recorder"] = recorder
+    if OOM_OBSERVER_ROUTE["attached"] or recorder is None:
+        return OOM_OBSERVER_ROUTE["attached"]
+    attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:  # a torch without the observer (or not built for CUDA)
+        return False
+
+    def observer(device, alloc, device_limit, device_free):
+        current = OOM_OBSERVER_ROUTE["recorder"]
+        if current is not None:
+            current.observe(torch, device, alloc, device_limit, device_free)
+
+    attach(observer)
+    OOM_OBSERVER_ROUTE["attached"] = True
+    return True
 
 
 class HistoryRecorder:
@@ -1413,6 +1524,9 @@ class HistoryRecorder:
         self.stacks = stacks
         self.marks = []
         self.timeline = None
+        self.observed = None  # the last out-of-memory observer call of this run, with its snapshot
+        self.observer_problem = None
+        self.run = None  # what the run was (a real model's config and sizes), written into the oom file
 
     def start(self, torch) -> None:
         # context None records no traceback at all: the cheapest recording, the same bytes
@@ -1422,26 +1536,78 @@ class HistoryRecorder:
             torch.cuda.memory._record_memory_history(**options, clear_history=True)
         except TypeError:  # torch before clear_history existed
             torch.cuda.memory._record_memory_history(**options)
+        self.observed, self.observer_problem = None, None
+        if not route_oom_observer(torch, self):
+            self.observer_problem = "this torch has no out-of-memory observer"
 
-    @staticmethod
-    def stop(torch) -> None:
+    def stop(self, torch) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
+        if OOM_OBSERVER_ROUTE["recorder"] is self:
+            route_oom_observer(torch, None)
+
+    def observe(self, torch, device, alloc_bytes, device_limit_bytes, device_free_bytes) -> None:
+        """PyTorch's out-of-memory observer (see route_oom_observer): keep the allocator's snapshot
+        and counters now, at the failing allocation. It never raises: an exception raised here would
+        replace the OutOfMemoryError. It allocates no device memory."""
+        try:
+            stats = torch.cuda.memory_stats(device)
+            snapshot = _strip_frames(torch.cuda.memory._snapshot(device))
+            total_bytes = int(torch.cuda.mem_get_info(device)[1])
+            self.observed = {
+                "observed_us": now_us(), "device_index": int(device), "alloc_bytes": int(alloc_bytes),
+                "device_limit_bytes": int(device_limit_bytes), "device_free_bytes": int(device_free_bytes),
+                "device_total_bytes": total_bytes,
+                "stats": {key: int(stats.get(key, 0)) for key in OBSERVER_STAT_KEYS},
+                "snapshot": snapshot}
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.observed, self.observer_problem = None, f"the observer failed: {safe_reason(exc)}"
 
     def mark(self, name, index, start_us, end_us) -> None:
         self.marks.append((name, index, start_us, end_us))
 
     def failure(self, torch, device, error) -> None:
-        """At a phase's failure (tensors of the failed pass still referenced by the traceback):
-        attach the out-of-memory snapshot to `error`, the trace's last oom entry naming the request."""
+        """At a phase's out-of-memory failure: attach the out-of-memory document to `error`.
+
+        The observer's snapshot, taken at the failing allocation, when it was called in this phase
+        for the request PyTorch's message names; otherwise (an error raised outside the caching
+        allocator, a torch without the observer) the allocator's state now, after the exception has
+        unwound and freed the failed pass's intermediates, the trace's last oom entry naming the
+        request. The document says which (``snapshot_source``) and keeps PyTorch's message."""
         if error.reason != "out_of_memory":
             return
+        message = getattr(error, "error_text", None) or error.message
+        observed, self.observed = self.observed, None
+        problem = self.observer_problem
+        if observed is None and problem is None:
+            problem = "PyTorch's caching allocator did not call the observer for this failure"
+        if observed is not None and self.marks and observed["observed_us"] < self.marks[-1][2]:
+            observed, problem = None, "the observer's last call was in an earlier phase"
+        figures = parse_oom_message(message)
+        if observed is not None:
+            asked = torch_format_size(observed["alloc_bytes"])
+            if figures is not None and figures["tried_to_allocate"] != asked:
+                observed, problem = None, (f"the observer's last call was for {asked}, "
+                                           f"the error's for {figures['tried_to_allocate']}")
+            elif figures is None and f"Tried to allocate {asked}" not in message:
+                # not the caching allocator's message: the observer's call was for another failure
+                observed, problem = None, ("the error is not the caching allocator's out-of-memory message; "
+                                           "the observer's last call was for another failure")
         try:
-            document = oom_snapshot_document(torch, device, None)
-            oom = [e for e in document["snapshot"]["device_traces"][device.index]
-                   if e.get("action") == "oom"] if device.index < len(document["snapshot"]["device_traces"]) else []
-            if oom:
-                document["failed_request_bytes"] = oom[-1]["size"]
+            if observed is not None:
+                document = observer_document(observed, str(device))
+            else:
+                document = oom_snapshot_document(torch, device, None)
+                document.update({"snapshot_source": "after unwinding", "observer": None,
+                                 "observer_problem": problem})
+                traces = document["snapshot"]["device_traces"]
+                oom = [e for e in traces[device.index] if e.get("action") == "oom"] \
+                    if device.index < len(traces) else []
+                if oom:
+                    document["failed_request_bytes"] = oom[-1]["size"]
             document["phase"] = error.phase
+            document["error_message"] = message[:MAX_ERROR_MESSAGE_CHARS]
+            if self.run is not None:
+                document["run"] = self.run
             error.oom_snapshot = document
         except Exception as exc:  # the device may be unusable after the failure
             error.oom_snapshot_problem = safe_reason(exc)
@@ -1693,6 +1859,8 @@ class PhaseError(Exception):
         memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
         self.reason = "out_of_memory" if memory else "cuda_error"
         self.message = f"{type(exc).__name__}: {first_line[:300]}"
+        # PyTorch's whole out-of-memory line (about 500 characters), whose figures the oom file keeps
+        self.error_text = first_line[:2000]
         self.oom_snapshot = None  # set by measure's HistoryRecorder on out-of-memory
         self.oom_snapshot_problem = None
 

@@ -261,7 +261,7 @@ def test_real_model_predict_with_and_without_each_budget_flag(tmp_path, monkeypa
     by_device = real_predict([*run, "--device", "cuda:0"], cwd)
     assert by_device.returncode == 3
     assert json.loads(by_device.stdout)["budget"] == {
-        "bytes": 35651583, "source": "usable memory of cuda:0, measured now in a fresh child process"}
+        "bytes": 35651583, "source": "measured: usable memory of cuda:0, measured now in a fresh child process"}
     assert sorted(p.name for p in cwd.iterdir()) == []
 
 

@@ -9,12 +9,12 @@ from lab_helpers.pricing.card import load_card
 from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES, cheapest_forfaits, format_card_fit
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import load_config
-from lab_helpers.real.fit import MEASURED_NCCL_OUTSIDE
+from lab_helpers.real.budget import MEASURED_NCCL_OUTSIDE
 from lab_helpers.real.predict import predict_model
 from lab_helpers.real.spec import RunSpec
 
 CARD = ROOT / "data" / "tarifs-forfaits.csv"
-H200_USABLE = 149380136960  # lab_helpers.real.fit.MEASURED_USABLE["h200-sxm"], measured on the GPU
+H200_USABLE = 149380136960  # lab_helpers.real.budget.MEASURED_USABLE["h200-sxm"], measured on the GPU
 QWEN = ["fit", "--card", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "128", "--new-tokens", "4"]
 
 # qwen1.5-0.5b fits one GPU of every model of the card: degree 1, one lot each; the 7-day lot
@@ -27,9 +27,16 @@ QWEN_7_DAYS = [
     ("h100-pcie", 38485, 19243, 80), ("mi300x", 41577, 20789, 192), ("h100-nvl", 43122, 21561, 94),
     ("h100-sxm", 46213, 23107, 80), ("h200-sxm", 58578, 29289, 141), ("b200", 169707, 84854, 180),
 ]
-# floor(GB x H200_USABLE / 141), by hand
+# floor(GB x H200_USABLE / 141), by hand: the budget of a GPU model with no known total (the small cards'
+# made-up ids, and the card's rows that data/gpu-memory.json lists under not_found)
 DERIVED_BUDGETS = {24: 25426406291, 40: 42377343818, 48: 50852812582, 80: 84754687636,
                    94: 99586757973, 180: 190698047182, 192: 203411250328}
+# the device's total (data/gpu-memory.json) less 1374683136 bytes (the H200's 143771 MiB less its
+# measured usable memory), by hand
+CONTEXT_BYTES = 143771 * 2**20 - H200_USABLE
+TOTAL_BUDGETS = {"b200": 190891163648, "h100-sxm": 84146126848, "h100-nvl": 99110354944,
+                 "mi300x": 204766969856, "a100-sxm-80gb": 84524662784, "l40s": 46931116032,
+                 "a10": 22771924992, "l4": 22778216448}
 
 
 def run(argv, capsys):
@@ -73,8 +80,12 @@ def test_qwen_budgets_measured_or_derived_by_the_stated_rule(qwen_result):
             assert (row["memory_source"], row["budget_bytes"]) == ("measured", H200_USABLE)
         else:
             assert row["memory_source"] == "derived, not measured"
-            assert row["budget_bytes"] == DERIVED_BUDGETS[row["memory_per_gpu_gb"]]
+            assert row["budget_bytes"] == TOTAL_BUDGETS.get(row["gpu"], DERIVED_BUDGETS[row["memory_per_gpu_gb"]])
             assert f"= {row['budget_bytes']} bytes" in row["memory_basis"]
+            if row["gpu"] in TOTAL_BUDGETS:
+                assert row["budget_bytes"] == row["cuda_total_bytes"] - CONTEXT_BYTES
+            else:
+                assert row["cuda_total_bytes"] is None and "no total" in row["memory_basis"]
     # one prediction with no cap: its peak is below every budget, so it answers all 15 GPU models
     assert qwen_result["predictions_run"] == 1
 
@@ -158,7 +169,7 @@ def test_sorted_by_price_then_fewer_gpus_then_model_id(tmp_path):
     assert (aa["budget_bytes"], aa["nccl_outside_allocator_bytes"], aa["rank_budget_bytes"]) == (
         DERIVED_BUDGETS[48], NCCL, DERIVED_BUDGETS[48] - NCCL)
     assert aa["headroom_bytes"] == DERIVED_BUDGETS[48] - NCCL - (-(-need // 2))
-    assert aa["nccl_source"] == "assumed from h200-sxm at 2, not measured"
+    assert aa["nccl_source"] == "derived, not measured"
     assert (result["rows"][0]["nccl_outside_allocator_bytes"], result["rows"][0]["idle_gpus"]) == (0, 0)
     last = result["rows"][-1]
     assert (last["gpu"], last["fits"]) == ("cheap", False)
@@ -306,12 +317,13 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):
     assert status == 2 and out == "" and "not a regular file" in err and err.count("\n") == 1
 
 
-def test_the_notebook_copy_gives_the_same_answer(tmp_path):
+def test_the_notebook_copy_gives_the_same_answer(tmp_path, monkeypatch):
     # the forfaits notebook's generated cells, up to card_fit's, run as one module
     from lab_helpers.build.sync import notebook_code_upto
     code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/real/card_fit.py")
     path = tmp_path / "forfaits_cells.py"
     path.write_text(code, encoding="utf-8")
+    monkeypatch.chdir(ROOT / "notebooks")  # where the kernel runs: the copy reads ../data/gpu-memory.json
     cells = load_module(path)
     rows = small_card(tmp_path, [("pair", 2, 48, 300), ("one", 1, 48, 200), ("tiny", 1, 8, 1)])
     shape = load_config("llama-3.1-8b")
@@ -334,5 +346,5 @@ def test_nccl_bytes_measured_on_the_h200_at_two(tmp_path):
     assert (by_gpu["h200-sxm"]["tensor_parallel"], by_gpu["h200-sxm"]["nccl_source"],
             by_gpu["h200-sxm"]["rank_budget_bytes"]) == (2, "measured", H200_USABLE - NCCL)
     assert (by_gpu["h100-sxm"]["tensor_parallel"], by_gpu["h100-sxm"]["nccl_source"],
-            by_gpu["h100-sxm"]["rank_budget_bytes"]) == (2, "assumed from h200-sxm at 2, not measured",
-                                                         DERIVED_BUDGETS[80] - NCCL)
+            by_gpu["h100-sxm"]["rank_budget_bytes"]) == (2, "derived, not measured",
+                                                         TOTAL_BUDGETS["h100-sxm"] - NCCL)

@@ -109,6 +109,7 @@ def test_real_model_out_of_memory_with_timeline_saves_only_the_snapshot(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["t.oom.json"]
     document = json.loads((out / "t.oom.json").read_text())
     assert document["kind"] == OOM_SNAPSHOT_KIND and document["phase"] == "prefill"
+    assert document["snapshot_source"] == "observer", document.get("observer_problem")
     assert document["failed_request_bytes"] >= WIDE_HIDDEN_BYTES > document["device_free_bytes"]
     proc = timeline_command("explain", out / "t.oom.json", "--format", "json")
     assert proc.returncode == 0, proc.stderr

@@ -39,7 +39,7 @@ def test_real_three_point_sweep_with_the_default_budget_matches_the_prediction(t
 def test_tiny_budget_stops_before_running(tmp_path, capsys):
     out = tmp_path / "balayage-tiny"
     status = main(["--dimension", "batch", "--values", "1", "2", "--width", "256",
-                   "--budget-gib", "0.000000001", "--output-dir", str(out)])
+                   "--budget-gib", "0.000000000931322574615478515625", "--output-dir", str(out)])
     assert status == 0
     assert [p.name for p in out.iterdir()] == ["summary.csv"]
     (row,) = sweep.read_summary(out / "summary.csv")

@@ -62,6 +62,7 @@ def test_out_of_memory_with_timeline_saves_the_snapshot_and_explain_names_the_re
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.oom.json"]
     document = json.loads((tmp_path / "t.oom.json").read_text())
     assert document["kind"] == OOM_SNAPSHOT_KIND and document["phase"] == "inputs"
+    assert document["snapshot_source"] == "observer", document.get("observer_problem")
     assert document["failed_request_bytes"] == HUGE_INPUT_BYTES
     assert document["device_free_bytes"] < HUGE_INPUT_BYTES
     proc = run("-m", "lab_helpers.timeline", "explain", tmp_path / "t.oom.json", cwd=ROOT)

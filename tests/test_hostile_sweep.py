@@ -147,7 +147,7 @@ def test_existing_output_dir_is_refused_and_left_untouched(tmp_path, fake, monke
 ENVIRONMENT_CASES = [
     ("no-gpu-without-budget", NO_GPU, [], "no GPU is visible at cuda:0 (torch.cuda.is_available() is False)"),
     ("no-gpu-with-budget", NO_GPU, ["--budget-gib", "80"], "no GPU is visible at cuda:0"),
-    ("no-gpu-with-tiny-budget", NO_GPU, ["--budget-gib", "0.001"], "no GPU is visible"),
+    ("no-gpu-with-tiny-budget", NO_GPU, ["--budget-gib", "0.0009765625"], "no GPU is visible"),
     ("usable-memory-unavailable", {**VISIBLE, "usable_memory_bytes": "unavailable",
                                    "usable_memory_unavailable_reason": "no allocation succeeded"}, [],
      "the usable memory of cuda:0 is unknown (no allocation succeeded); give --budget-gib"),

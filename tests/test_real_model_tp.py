@@ -243,10 +243,10 @@ def test_the_nccl_bytes_measured_at_tp2_on_the_h200_are_subtracted():
     assert two == one - 977272832 and "NCCL" in source and "measured" in source
 
 
-def test_an_unmeasured_degree_subtracts_nothing_and_says_so():
+def test_an_unmeasured_degree_subtracts_the_h200_figure_and_says_so():
     one, _ = gpu_budget("h200-sxm")
     four, source = gpu_budget("h200-sxm", tensor_parallel=4)
-    assert four == one and "not measured" in source and "upper bound" in source
+    assert four == one - 977272832 and "derived, not measured: not measured on h200-sxm at 4" in source
 
 
 def test_fit_at_tp2_reports_one_rank_budget(tmp_path, capsys):

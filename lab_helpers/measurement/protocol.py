@@ -15,6 +15,8 @@ class PhaseError(Exception):
         memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
         self.reason = "out_of_memory" if memory else "cuda_error"
         self.message = f"{type(exc).__name__}: {first_line[:300]}"
+        # PyTorch's whole out-of-memory line (about 500 characters), whose figures the oom file keeps
+        self.error_text = first_line[:2000]
         self.oom_snapshot = None  # set by measure's HistoryRecorder on out-of-memory
         self.oom_snapshot_problem = None
 

@@ -6,7 +6,8 @@
 For every GPU model of the rate card: the smallest tensor-parallel degree at which the predicted
 run fits one GPU's memory on every rank, the lots that degree needs, their price for the days
 asked (exact cents, from calcul_forfaits), the cost per accepted result if asked, and whether the
-memory figure per GPU was measured on that GPU or derived from the vendor's figure. Rows are
+memory figure per GPU was measured on that GPU or derived, not measured (lab_helpers.real.budget: the
+one rule `fit --gpu` uses too). Rows are
 sorted by price; the GPU models that fit at no allowed degree come last.
 """
 import math
@@ -17,34 +18,20 @@ from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_A
                                       ForfaitError, is_illustrative, load_card)
 from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait, format_money
 from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
-from lab_helpers.real.fit import (MAX_FIT_DECODE_STEPS, MEASURED_NCCL_OUTSIDE, MEASURED_USABLE, SearchBounded,
-                                  fits_at_degree)
+from lab_helpers.real.budget import (DERIVED, MEASURED, MEASURED_NCCL_OUTSIDE, NCCL_REFERENCE, budget_rule_text,
+                                     device_budget, nccl_outside)
+from lab_helpers.real.fit import MAX_FIT_DECODE_STEPS, SearchBounded, fits_at_degree
 from lab_helpers.real.spec import RunSpec
 
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
 # Tensor parallelism runs over NCCL between the GPUs of one machine, and a machine holds at most 8
 # of them on the usual NVLink/NVSwitch boards: degrees 1 to 8 are searched, never beyond.
 CARD_MAX_DEGREE = 8
-# The derived budgets scale the one usable figure measured on an H200 SXM by the ratio of the
-# vendor's figures: NVIDIA publishes 141 GB for it, the card's memory_per_gpu_gib for h200-sxm.
-REFERENCE_GPU = "h200-sxm"
-REFERENCE_VENDOR_GB = 141
-# What NCCL holds outside the caching allocator on each rank (lab_helpers.real.fit.MEASURED_NCCL_OUTSIDE, by GPU
-# and degree) is taken off every rank's budget at degree > 1. Where that GPU and degree were not
-# measured, the figure measured on two H200s at tensor parallel 2 is assumed: a budget left whole
-# would let the table pick a degree whose ranks NCCL then pushes out of memory.
-NCCL_REFERENCE = (REFERENCE_GPU, 2)
 NCCL_RULE = ("at degree > 1 each rank's budget is the GPU's less the bytes NCCL holds outside the allocator: "
-             "measured where real_model.MEASURED_NCCL_OUTSIDE has that GPU and degree, else the {nccl} bytes "
-             "measured on two H200s at tensor parallel 2, assumed, not measured there")
+             "measured where MEASURED_NCCL_OUTSIDE has that GPU and degree, else the {nccl} bytes measured on "
+             "two H200s at tensor parallel 2, derived, not measured")
 # A budget no GPU reaches (1 PiB, real_model fit's largest --memory-bytes): a run "with no cap".
 UNCAPPED_BUDGET_BYTES = 2**50
-MEASURED = "measured"
-DERIVED = "derived, not measured"
-DERIVATION_RULE = (
-    "derived, not measured: the card's figure G (vendor GB) read as G x 2^30 bytes, times the ratio "
-    "usable/advertised measured on the H200 SXM ({usable} bytes usable / (141 x 2^30) advertised): "
-    "floor(G x {usable} / 141) bytes")
 DEGREE_RULE = ("degrees 1 to {high} (the GPUs of one machine), those the model's tensor-parallel plan "
                "can shard evenly; lots = ceil(degree / GPUs per lot)")
 ORDER = ("by total price, then fewer GPUs rented, then model id; GPU models that fit at no allowed "
@@ -54,21 +41,9 @@ CRITERION = ("fits at degree d when every rank's predicted run (the replayed all
 
 
 def gpu_budget_bytes(row: dict) -> dict:
-    """The per-GPU memory budget of a rate-card row: {budget_bytes, memory_source, memory_basis}.
-
-    Measured where the lab measured that GPU (lab_helpers.real.fit.MEASURED_USABLE); else derived from the
-    vendor's figure by one rule (DERIVATION_RULE), exact integer arithmetic, rounded down."""
-    gpu = row["model_id"]
-    if gpu in MEASURED_USABLE:
-        value, where = MEASURED_USABLE[gpu]
-        return {"budget_bytes": value, "memory_source": MEASURED,
-                "memory_basis": f"measured usable memory of a fresh measuring process ({where})"}
-    usable = MEASURED_USABLE[REFERENCE_GPU][0]
-    gb = row["memory_per_gpu_gib"]
-    value = gb * usable // REFERENCE_VENDOR_GB  # = gb x 2^30 x usable / (141 x 2^30), rounded down
-    return {"budget_bytes": value, "memory_source": DERIVED,
-            "memory_basis": (f"{DERIVED}: the card's {gb} GB x 2^30 x {usable} / (141 x 2^30) "
-                             f"= floor({gb} x {usable} / 141) = {value} bytes")}
+    """The per-GPU memory budget of a rate-card row by the one rule (lab_helpers.real.budget):
+    {budget_bytes, memory_source, memory_basis, cuda_total_bytes}."""
+    return device_budget(row["model_id"], row["memory_per_gpu_gib"])
 
 
 def degree_problem(shape: ModelShape, degree: int):
@@ -81,12 +56,10 @@ def degree_problem(shape: ModelShape, degree: int):
 
 
 def nccl_outside_bytes(gpu: str, degree: int) -> tuple:
-    """(bytes, source) NCCL holds outside the allocator per rank of `gpu` at `degree` (0 at degree 1)."""
-    if degree == 1:
-        return 0, "no NCCL at degree 1"
-    if (gpu, degree) in MEASURED_NCCL_OUTSIDE:
-        return MEASURED_NCCL_OUTSIDE[(gpu, degree)][0], MEASURED
-    return MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0], f"assumed from {NCCL_REFERENCE[0]} at 2, not measured"
+    """(bytes, source) NCCL holds outside the allocator per rank of `gpu` at `degree` (0 at degree 1),
+    by the one rule (lab_helpers.real.budget.nccl_outside)."""
+    entry = nccl_outside(gpu, degree)
+    return entry["nccl_outside_allocator_bytes"], entry["nccl_source"]
 
 
 def rank_budget_bytes(gpu: str, gpu_budget: int, degree: int) -> int:
@@ -197,7 +170,6 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         fitting.append(entry)
     fitting.sort(key=lambda e: (e["total_price_cents"], e["gpus"], e["gpu"]))
     not_fitting.sort(key=lambda e: e["gpu"])
-    usable = MEASURED_USABLE[REFERENCE_GPU][0]
     return {
         "kind": CARD_FIT_KIND,
         "configuration": {"config_name": shape.name, "dtype": spec.dtype, "batch": spec.batch,
@@ -206,9 +178,7 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         "rate_card": printable(card_name), "snapshot_date": ", ".join(sorted({r["snapshot_date"] for r in rows})),
         "allowed_degrees": allowed, "refused_degrees": refused,
         "degree_rule": DEGREE_RULE.format(high=max_degree), "nccl_rule": NCCL_RULE.format(nccl=MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0]),
-        "memory_rule": {MEASURED: "real_model.MEASURED_USABLE: the usable memory of a fresh measuring "
-                                  "process, measured on that GPU",
-                        DERIVED: DERIVATION_RULE.format(usable=usable)},
+        "memory_rule": budget_rule_text(),
         "criterion": CRITERION, "order": ORDER, "unit_cost_rounding": UNIT_COST_ROUNDING,
         "predictions_run": len(cache),
         "search_bound": (f"at most {MAX_FIT_DECODE_STEPS} decode steps traced in all (ranks x new tokens per "
@@ -275,7 +245,7 @@ def format_card_fit(result: dict) -> str:
               *(f"  refused: {why}" for why in result["refused_degrees"].values()),
               f"Order: {result['order']}.",
               f"Memory per GPU (budget_bytes): {MEASURED} = {result['memory_rule'][MEASURED]}; "
-              f"{result['memory_rule'][DERIVED]}.",
+              f"{DERIVED} = {result['memory_rule'][DERIVED]}.",
               f"NCCL: {result['nccl_rule']}; peak_reserved_bytes is the worst rank's."]
     if result["accepted_results"] is not None:
         lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")

@@ -28,7 +28,8 @@ from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snaps
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
 from lab_helpers.real.card_fit import card_fit, check_card_flags
 from lab_helpers.real.config import bundled_names, check_tensor_parallel, load_config
-from lab_helpers.real.fit import fit_model, gpu_budget, usable_memory_bytes
+from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
+from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
 from lab_helpers.real.parallel import measure_model_parallel
 from lab_helpers.real.protocol import measure_model
@@ -127,8 +128,11 @@ def add_compare_arguments(p) -> None:
 def add_fit_arguments(p) -> None:
     add_run_flags(p, sizes_required=False)
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
-    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N", help="the budget in bytes")
+    budget.add_argument("--gpu", metavar="MODEL_ID",
+                        help="a model_id of the rate card data/tarifs-forfaits.csv: its budget by the rule fit --card "
+                             "uses (measured on that GPU, else derived, not measured, from data/gpu-memory.json)")
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N",
+                        help="the budget in bytes: a whole number from 1 to 2^50")
     p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
                    "is measured (default cuda:0)")
     # --tensor-parallel N: --gpu and --memory-bytes are one GPU's budget, what one rank may reserve
@@ -190,9 +194,12 @@ def predict_budget(args, degree: int) -> tuple:
         return args.memory_bytes, "given with --memory-bytes"
     if args.device is not None:
         budget = usable_memory_bytes(args.device)
-        source = f"usable memory of {args.device}, measured now in a fresh child process"
-        if degree > 1:
-            source += "; NCCL's memory outside the allocator is not subtracted, so the budget per rank is an upper bound"
+        source = f"{MEASURED}: usable memory of {args.device}, measured now in a fresh child process"
+        if degree > 1:  # as fit does: the device's model is not known here, so NCCL's figure is a derived one
+            nccl = nccl_outside(None, degree)
+            budget -= nccl["nccl_outside_allocator_bytes"]
+            source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
+                       f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
         return budget, source
     return None, None
 
@@ -218,18 +225,23 @@ def handle_fit(args) -> int:
         degree = args.tensor_parallel
         check_tensor_parallel(shape, degree)
         if args.gpu:
-            budget, source = gpu_budget(args.gpu, tensor_parallel=degree)
+            entry = gpu_budget_entry(args.gpu, tensor_parallel=degree)
+            budget, source, label = (entry["rank_budget_bytes"], budget_source_text(entry, degree),
+                                     entry["memory_source"])
         elif args.memory_bytes:
-            budget, source = args.memory_bytes, "given with --memory-bytes"
+            budget, source, label = args.memory_bytes, "given with --memory-bytes", "given"
         else:
             device = args.device or "cuda:0"
             budget = usable_memory_bytes(device)
-            source = f"usable memory of {device}, measured now in a fresh child process"
+            source, label = f"{MEASURED}: usable memory of {device}, measured now in a fresh child process", MEASURED
             if degree > 1:
-                source += ("; NCCL's memory outside the allocator is not subtracted, so the budget per rank "
-                           "is an upper bound")
-        result = fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context,
-                           tensor_parallel=degree)
+                # the device's model is not known here: the only NCCL figure that applies is a derived one
+                nccl = nccl_outside(None, degree)
+                budget -= nccl["nccl_outside_allocator_bytes"]
+                source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
+                           f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
+        result = with_memory_source(fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch,
+                                              args.context, tensor_parallel=degree), label)
     print_model_result(args, result, model_fit_table)
     return EXIT_OK
 

@@ -1,6 +1,6 @@
 """Does a real model's run fit a GPU, and the largest batch and context that do: predictions under a
-replayed allocator capped at the budget, with no GPU. The budgets: measured where the lab measured
-that GPU (MEASURED_USABLE, MEASURED_NCCL_OUTSIDE), else the rate card's vendor figure."""
+replayed allocator capped at the budget, with no GPU. A rate-card GPU's budget is the one rule of
+lab_helpers.real.budget."""
 import sys
 from dataclasses import replace
 
@@ -8,6 +8,7 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import usable_memory
 from lab_helpers.pricing.card import RATE_CARD_PATH, ForfaitError, load_card
+from lab_helpers.real.budget import budget_source_text, rank_budget
 from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
 from lab_helpers.real.predict import fake_process_group, load_for_prediction, predict_model
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_TOKENS, RunSpec
@@ -41,13 +42,6 @@ while high - low > 1:
     torch.cuda.empty_cache()
 print(json.dumps({"usable_memory_bytes": held + low * step}))
 """
-# Measured with the probe above on 2026-11-29 (`fit` runs it itself when a GPU is visible
-# and no budget is given).
-MEASURED_USABLE = {
-    "h200-sxm": (149380136960, "NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130"),
-}
-
-
 def usable_memory_bytes(device: str = "cuda:0") -> int:
     """The largest reserved a fresh real-model measuring process can reach on `device`, measured now
     in a child process; LabError when no GPU answers."""
@@ -63,43 +57,25 @@ def usable_memory_bytes(device: str = "cuda:0") -> int:
     return answer["usable_memory_bytes"]
 
 
-# What NCCL holds outside PyTorch's allocator per rank once its communicator has run a first
-# collective (as TensorParallelRun leaves it before the first phase): free memory before the
-# process group less free memory after, with the allocator empty. (model_id, degree) -> bytes, where.
-MEASURED_NCCL_OUTSIDE = {
-    ("h200-sxm", 2): (977272832, "2 x NVIDIA H200 143771 MiB, driver 580.159.04, torch 2.11.0+cu130, NCCL 2.28.9"),
-}
-
-
 def gpu_budget(gpu: str, tariffs=None, tensor_parallel: int = 1) -> tuple:
-    """(bytes, source) of a rate-card GPU: the measured usable figure where the lab has one,
-    else the vendor's "GB" figure read as 10^9 bytes (an upper bound: the CUDA context and
-    the libraries take some of it). At tensor parallel N > 1, one rank's budget: less NCCL's
-    bytes outside the allocator where they were measured on that GPU at that degree; where
-    not, nothing is subtracted and the source says so."""
-    if gpu in MEASURED_USABLE:
-        value, where = MEASURED_USABLE[gpu]
-        source = f"measured usable memory of a fresh measuring process ({where})"
-    else:
-        try:
-            rows = load_card(tariffs or RATE_CARD_PATH)
-        except ForfaitError as exc:
-            raise LabError(str(exc)) from None
-        found = [row for row in rows if row["model_id"] == gpu]
-        if not found:
-            raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
-        gb = found[0]["memory_per_gpu_gib"]
-        value = gb * 10**9
-        source = (f"vendor figure {gb} GB from the rate card, read as {gb} x 10^9 bytes: not measured; "
-                  f"the CUDA context and libraries take part of it")
-    if tensor_parallel == 1:
-        return value, source
-    if (gpu, tensor_parallel) in MEASURED_NCCL_OUTSIDE:
-        nccl, where = MEASURED_NCCL_OUTSIDE[(gpu, tensor_parallel)]
-        return value - nccl, (f"{source}, less {nccl} bytes NCCL holds outside the allocator per rank at "
-                              f"tensor parallel {tensor_parallel} (measured: {where})")
-    return value, (f"{source}; NCCL's memory outside the allocator at tensor parallel {tensor_parallel} is not "
-                   f"measured on {gpu}: not subtracted, so the budget per rank is an upper bound")
+    """(bytes, source) of one rank of a rate-card GPU model at `tensor_parallel`: the one rule of
+    lab_helpers.real.budget (measured where the lab measured that GPU, else derived, not measured,
+    from its total memory or the card's figure; less NCCL's bytes outside the allocator at N > 1).
+    `tariffs` is a rate card path (default data/tarifs-forfaits.csv)."""
+    entry = gpu_budget_entry(gpu, tariffs, tensor_parallel)
+    return entry["rank_budget_bytes"], budget_source_text(entry, tensor_parallel)
+
+
+def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
+    """lab_helpers.real.budget.rank_budget of the rate card's row for `gpu`; LabError if none."""
+    try:
+        rows = load_card(tariffs or RATE_CARD_PATH)
+    except ForfaitError as exc:
+        raise LabError(str(exc)) from None
+    found = [row for row in rows if row["model_id"] == gpu]
+    if not found:
+        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+    return rank_budget(gpu, found[0]["memory_per_gpu_gib"], tensor_parallel)
 
 
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:

@@ -273,6 +273,8 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
     if history is None:
         run_protocol(shape, spec, device, phase)
     else:
+        # the oom file names the run, so that `timeline explain --predict-fit` can search what fits
+        history.run = {"configuration": run_configuration(spec), "model_config": shape.raw}
         history.start(torch)
         try:
             run_protocol(shape, spec, device, phase)

@@ -8,7 +8,9 @@ change, in numbers and words; ``explanation_table`` says it for people.
 import io
 import pickle
 
-from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, check_allocator_snapshot, is_byte_count
+from lab_helpers.allocator.history import (MAX_ERROR_MESSAGE_CHARS, OBSERVER_STAT_KEYS, OOM_SNAPSHOT_KIND,
+                                           SNAPSHOT_SOURCES, check_allocator_snapshot, is_byte_count,
+                                           parse_oom_message, torch_format_size)
 from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES,
                                          SMALL_SEGMENT_BYTES)
 from lab_helpers.core.files import read_bounded_bytes, read_json_file
@@ -163,34 +165,83 @@ def _parse_pickle(data: bytes, path):
         raise TimelineError(f"{path} is not a readable pickle ({type(exc).__name__})") from None
 
 
+# The lab's out-of-memory file: the keys explain reads, each None when absent (files of older versions)
+OOM_DOCUMENT_KEYS = ("snapshot", "failed_request_bytes", "device_free_bytes", "process_limit_bytes",
+                     "device_total_bytes", "snapshot_source", "observer", "observer_problem", "error_message",
+                     "phase", "run")
+_OOM_BYTE_KEYS = ("failed_request_bytes", "device_free_bytes", "process_limit_bytes", "device_total_bytes")
+_OBSERVER_BYTE_KEYS = ("device_index", "alloc_bytes", "device_limit_bytes", "device_free_bytes")
+MAX_TEXT_FIELD_CHARS = 1000  # the phase's name and why the observer was not used
+
+
 def load_snapshot(path, max_bytes: int = MAX_FILE_BYTES) -> dict:
     """Read an out-of-memory snapshot: the lab's JSON file or a ``_dump_snapshot`` pickle.
 
-    Returns ``{"snapshot": torch-format dict, "failed_request_bytes": int|None,
-    "device_free_bytes": int|None, "process_limit_bytes": int|None}``. Pickles are loaded with classes refused.
-    """
+    Returns {key: value or None} for every key of OOM_DOCUMENT_KEYS ("snapshot" is the torch-format
+    dict). Pickles are loaded with classes refused; the lab's new fields are checked by
+    check_oom_fields."""
     check_max_file_bytes(max_bytes)
     data = read_bounded(path, max_bytes)
     if data[:1] == PICKLE_PROTO:
         document = _parse_pickle(data, path)
         if not isinstance(document, dict):
             raise TimelineError(f"{path} holds a {type(document).__name__}, not a snapshot dict")
-        wrapped = {"snapshot": document, "failed_request_bytes": None, "device_free_bytes": None,
-                   "process_limit_bytes": None}
+        wrapped = {key: None for key in OOM_DOCUMENT_KEYS}
+        wrapped["snapshot"] = document
     else:
         document = read_json_file(path, max_bytes)
         if not isinstance(document, dict) or document.get("kind") != OOM_SNAPSHOT_KIND:
             raise TimelineError(f"{path} is not an {OOM_SNAPSHOT_KIND} file or a torch snapshot pickle")
         if document.get("schema_version") != SCHEMA_VERSION:
             raise TimelineError(f"{path}: unsupported schema_version {document.get('schema_version')!r}")
-        wrapped = {key: document.get(key) for key in ("snapshot", "failed_request_bytes", "device_free_bytes",
-                                                      "process_limit_bytes")}
-        for key in ("failed_request_bytes", "device_free_bytes", "process_limit_bytes"):
-            if wrapped[key] is not None and not is_byte_count(wrapped[key]):
-                raise TimelineError(f"{path}: {key} must be a whole number of bytes >= 0")
+        wrapped = {key: document.get(key) for key in OOM_DOCUMENT_KEYS}
+        check_oom_fields(wrapped, path)
     check_snapshot_shape(wrapped["snapshot"], path)
     check_allocator_snapshot(wrapped["snapshot"], path)
     return wrapped
+
+
+def check_oom_fields(document: dict, where) -> None:
+    """Refuse the lab's out-of-memory fields of a wrong type or that contradict each other."""
+    for key in _OOM_BYTE_KEYS:
+        if document.get(key) is not None and not is_byte_count(document[key]):
+            raise TimelineError(f"{where}: {key} must be a whole number of bytes >= 0")
+    source = document.get("snapshot_source")
+    if source is not None and source not in SNAPSHOT_SOURCES:
+        raise TimelineError(f"{where}: snapshot_source must be one of {', '.join(map(repr, SNAPSHOT_SOURCES))}")
+    for key, bound in (("error_message", MAX_ERROR_MESSAGE_CHARS), ("observer_problem", MAX_TEXT_FIELD_CHARS),
+                       ("phase", MAX_TEXT_FIELD_CHARS)):
+        value = document.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > bound):
+            raise TimelineError(f"{where}: {key} must be a string of at most {bound} characters")
+    run = document.get("run")
+    if run is not None and not (isinstance(run, dict) and isinstance(run.get("configuration"), dict)
+                                and isinstance(run.get("model_config"), dict)):
+        raise TimelineError(f"{where}: run must be an object with a 'configuration' and a 'model_config' object")
+    observer = document.get("observer")
+    if source == "observer" and not isinstance(observer, dict):
+        raise TimelineError(f"{where}: snapshot_source is 'observer' but 'observer' is not an object")
+    if observer is None:
+        return
+    if source != "observer":
+        raise TimelineError(f"{where}: an 'observer' object needs snapshot_source 'observer'")
+    if not isinstance(observer, dict):
+        raise TimelineError(f"{where}: observer must be an object")
+    for key in _OBSERVER_BYTE_KEYS:
+        if not is_byte_count(observer.get(key)):
+            raise TimelineError(f"{where}: observer '{key}' must be a whole number >= 0")
+    stats = observer.get("stats")
+    if not isinstance(stats, dict):
+        raise TimelineError(f"{where}: observer 'stats' must be an object of torch.cuda.memory_stats() figures")
+    if set(stats) - set(OBSERVER_STAT_KEYS):
+        raise TimelineError(f"{where}: observer 'stats' holds a figure the lab does not record")
+    for key in OBSERVER_STAT_KEYS:
+        if not is_byte_count(stats.get(key)):
+            raise TimelineError(f"{where}: observer stats '{key}' must be a whole number >= 0")
+    if stats["allocated_bytes.all.current"] > stats["reserved_bytes.all.current"]:
+        raise TimelineError(f"{where}: observer stats: allocated is larger than reserved")
+    if document.get("device_free_bytes") != observer["device_free_bytes"]:
+        raise TimelineError(f"{where}: device_free_bytes differs from the observer's device_free_bytes")
 
 
 _INT_OR_NONE = (int, type(None))
@@ -424,10 +475,157 @@ def _summary(r: dict) -> list:
     return lines
 
 
+# ------------------------------------------------------------------ the lab's file: observer and message
+_UNIT_BYTES = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def printed_bytes(text: str) -> float:
+    """The bytes a figure of PyTorch's message stands for ("22.15 GiB"), to its two decimals."""
+    number, unit = text.split()
+    return float(number) * _UNIT_BYTES[unit]
+
+
+def explain_document(loaded: dict, failed_request_bytes=None, device_free_bytes=None,
+                     process_limit_bytes=None) -> dict:
+    """explain_snapshot on what load_snapshot read (the arguments, when given, override the file's),
+    with where the snapshot comes from and the figures side by side: PyTorch's message as it printed
+    them, the observer's (its four arguments and torch.cuda.memory_stats() in it) and the
+    explainer's, from the snapshot's segments."""
+    observer = loaded.get("observer")
+    request = failed_request_bytes if failed_request_bytes is not None else loaded.get("failed_request_bytes")
+    request_note = None
+    if request is None and observer is not None and not _last_oom(loaded["snapshot"]):
+        # no trace: the observer's `alloc` is the segment asked for, the request rounded up to it
+        request, request_note = observer["alloc_bytes"], "the observer's segment size (the snapshot has no trace)"
+    result = explain_snapshot(
+        loaded["snapshot"], request,
+        device_free_bytes if device_free_bytes is not None else loaded.get("device_free_bytes"),
+        process_limit_bytes if process_limit_bytes is not None else loaded.get("process_limit_bytes"))
+    source = loaded.get("snapshot_source")
+    result["snapshot_source"] = source
+    result["observer_problem"] = loaded.get("observer_problem")
+    result["phase"] = loaded.get("phase")
+    result["request_note"] = request_note
+    result["reserved_unallocated_bytes"] = result["reserved_bytes"] - result["allocated_bytes"]
+    figures = parse_oom_message(loaded.get("error_message"))
+    result["error_message"] = loaded.get("error_message")
+    result["message_figures"] = figures
+    # side by side only where there is something to set beside the snapshot: the message or the observer
+    result["figures"] = _figures(result, loaded, figures) if figures or loaded.get("observer") else []
+    result["figures_agree"] = (all(row["agree"] is not False for row in result["figures"])
+                               if result["figures"] else None)
+    result["message_verdict"] = _message_verdict(figures)
+    result["summary"] = _source_lines(result) + result["summary"] + _message_lines(result)
+    return result
+
+
+def _figures(r: dict, loaded: dict, figures) -> list:
+    observer = loaded.get("observer")
+    stats = observer["stats"] if observer else None
+    allocated = "allocated_bytes.all.current"
+    rows = [
+        ("tried to allocate (the segment asked for)", "tried_to_allocate",
+         observer and observer["alloc_bytes"], r["segment_bytes_needed"]),
+        ("total capacity", "total_capacity", observer and loaded.get("device_total_bytes"),
+         loaded.get("device_total_bytes")),
+        ("free on the device", "free", observer and observer["device_free_bytes"], r["device_free_bytes"]),
+        ("allowed (per-process cap)", "allowed",
+         observer and (observer["device_limit_bytes"] if loaded.get("process_limit_bytes") is not None else None),
+         r["process_limit_bytes"]),
+        ("allocated by PyTorch", "allocated_by_pytorch", stats and stats[allocated], r["allocated_bytes"]),
+        ("reserved by PyTorch but unallocated", "reserved_unallocated",
+         stats and stats["reserved_bytes.all.current"] - stats[allocated], r["reserved_unallocated_bytes"]),
+        ("reserved", None, stats and stats["reserved_bytes.all.current"], r["reserved_bytes"]),
+        ("free in partly used segments (inactive_split_bytes)", None,
+         stats and stats["inactive_split_bytes.all.current"], r["reserved_free_bytes"]),
+    ]
+    out = []
+    for name, key, observed, explained in rows:
+        printed = figures.get(key) if figures and key else None
+        if key == "allowed" and printed is None and observed is None and explained is None:
+            continue
+        shown = [torch_format_size(v) for v in (observed, explained) if v is not None]
+        checks = [printed == text for text in shown] if printed is not None else []
+        if observed is not None and explained is not None:
+            checks.append(observed == explained)
+        out.append({"figure": name, "message": printed, "observer_bytes": observed,
+                    "explainer_bytes": explained,
+                    "printed": torch_format_size(explained if explained is not None else observed)
+                    if (explained is not None or observed is not None) else None,
+                    "agree": all(checks) if checks else None})
+    return out
+
+
+def _message_verdict(figures) -> "str | None":
+    """Fragmentation or exhaustion from the message's rounded figures alone: the segment asked for
+    against what could be taken (the device's free bytes, or the room under the per-process cap) plus
+    the reserved but unallocated bytes (every pool: an estimate)."""
+    if not figures:
+        return None
+    asked, free = printed_bytes(figures["tried_to_allocate"]), printed_bytes(figures["free"])
+    unallocated = printed_bytes(figures["reserved_unallocated"])
+    if figures["allowed"] is not None:  # under set_per_process_memory_fraction: the room under the cap
+        reserved = printed_bytes(figures["allocated_by_pytorch"]) + unallocated
+        free = min(free, max(0.0, printed_bytes(figures["allowed"]) - reserved))
+    if asked <= free:
+        return "fits_now"
+    return "fragmentation" if asked <= free + unallocated else "exhaustion"
+
+
+def _source_lines(r: dict) -> list:
+    if r["snapshot_source"] == "observer":
+        return ["Snapshot: taken by PyTorch's out-of-memory observer at the failing allocation, before the "
+                "exception unwound: the failed pass's tensors are in it."]
+    if r["snapshot_source"] == "after unwinding":
+        why = f" ({r['observer_problem']})" if r["observer_problem"] else ""
+        return [f"Snapshot: taken after the exception unwound{why}: the failed pass's intermediates were "
+                "already freed, so allocated is lower and free blocks larger than at the failure; PyTorch's "
+                "message below has the failure's figures."]
+    return []
+
+
+def _message_lines(r: dict) -> list:
+    lines = []
+    holes = sorted((row for row in r["segments"] if row["free_bytes"]), key=lambda row: -row["largest_free_block_bytes"])
+    if holes:
+        lines.append(f"Reserved but free: {r['reserved_free_bytes']} bytes ({r['reserved_free_bytes'] / 2**30:.2f} GiB) "
+                     f"in {len(holes)} of {len(r['segments'])} "
+                     f"segments; the largest holes {', '.join(str(row['largest_free_block_bytes']) for row in holes[:3])} "
+                     f"bytes; the largest of the {r['pool']} pool {r['usable_largest_free_block_bytes']}.")
+    es = r["expandable_segments"]
+    lines.append(f"Rule used for expandable_segments:True: the request fits when a free block holds it, or when "
+                 f"the pages it lacks beyond a segment's free tail ({es['device_bytes_to_map']} bytes) are at most "
+                 f"the device's free bytes plus the whole pages of inner free blocks ({es['unmappable_free_page_bytes']}"
+                 f" bytes); roughly, free bytes + reserved but free >= the rounded request.")
+    if r["figures"]:
+        agree = "agree" if r["figures_agree"] else "DISAGREE (see the table)"
+        lines.append(f"PyTorch's message, the observer and the explainer {agree}"
+                     + ("" if r["message_figures"] else " (the file holds no PyTorch message to read)") + ".")
+    if r["message_verdict"] is not None and r["snapshot_source"] != "observer":
+        lines.append(f"From PyTorch's message alone (its rounded figures, every pool): "
+                     f"{r['message_verdict'].upper().replace('_', ' ')}.")
+    if r["snapshot_source"] == "observer" and r["verdict"] == "fits_now":
+        lines.append("The observer's snapshot has room for the request, yet the allocator refused it: it was asked "
+                     "for on another stream, or from a private pool (CUDA graphs), or under a setting of "
+                     "PYTORCH_CUDA_ALLOC_CONF (max_split_size_mb) this explainer does not model.")
+    if r["request_note"]:
+        lines.append(f"The request is {r['request_note']}.")
+    return lines
+
+
 def explanation_table(result: dict) -> str:
-    """The explanation for people: the sentences, then one line per segment."""
-    lines = list(result["summary"]) + ["", f"{'segment':>18} {'pool':>5} {'stream':>6} {'size':>14} "
-                                           f"{'free':>14} {'largest free':>14} {'blocks free':>11}"]
+    """The explanation for people: the sentences, the figures side by side, then one line per segment."""
+    lines = list(result["summary"])
+    if result.get("figures"):
+        lines += ["", f"{'figure':<52} {'PyTorch message':>16} {'observer':>16} {'explainer':>16} {'printed':>12} agree"]
+        for row in result["figures"]:
+            cells = [row["message"] or "-", *("-" if v is None else str(v)
+                                               for v in (row["observer_bytes"], row["explainer_bytes"])),
+                     row["printed"] or "-"]
+            lines.append(f"{row['figure']:<52} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {cells[3]:>12} "
+                         f"{ {True: 'yes', False: 'NO', None: '-'}[row['agree']]}")
+    lines += ["", f"{'segment':>18} {'pool':>5} {'stream':>6} {'size':>14} "
+                  f"{'free':>14} {'largest free':>14} {'blocks free':>11}"]
     for row in result["segments"]:
         lines.append(f"{hex(row['address']):>18} {row['segment_type']:>5} {str(row['stream']):>6} "
                      f"{row['total_size_bytes']:>14} {row['free_bytes']:>14} "

@@ -43,6 +43,7 @@ SUMMARY_COLUMNS = ("dimension", "value", "stage", "status", "reason",
                    "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
                    "measured_peak_allocated_bytes", "measured_peak_reserved_bytes", "file")
 BYTE_COLUMNS = SUMMARY_COLUMNS[5:9]
+MAX_BUDGET_BYTES = 2**50  # the largest budget any command of the lab accepts
 OK, OOM, OVER_BUDGET, ERROR, TIMEOUT = "ok", "oom", "over_budget", "error", "timeout"
 SWEEP, BISECT, CONFIRM = "sweep", "bisect", "confirm"
 DEFAULT_POINT_TIMEOUT_SECONDS = 1800  # a point of the synthetic network takes seconds; this catches a hang
@@ -363,6 +364,13 @@ def _check_request(dimension, values, start, maximum, config, budget_gib, point_
             raise SweepError(f"budget must be > 0 GiB and finite, got {_short(budget_gib)}")
         if int(budget_gib * GIB) < 1:
             raise SweepError(f"budget must be at least one byte, got {budget_gib} GiB")
+        # a budget is whole bytes: 0.1 GiB is 107374182.4 bytes, which no allocator can hold to
+        if budget_gib * GIB != int(budget_gib * GIB):
+            raise SweepError(f"budget must be a whole number of bytes, got {budget_gib} GiB = "
+                             f"{budget_gib * GIB} bytes")
+        if budget_gib * GIB > MAX_BUDGET_BYTES:
+            raise SweepError(f"budget must be at most {MAX_BUDGET_BYTES} bytes (2^50, {MAX_BUDGET_BYTES // GIB} GiB), "
+                             f"got {budget_gib} GiB")
     if isinstance(point_timeout_seconds, bool) or not isinstance(point_timeout_seconds, (int, float)) \
             or not 0 < point_timeout_seconds < math.inf:
         raise SweepError(f"point timeout must be > 0 seconds and finite, got {_short(point_timeout_seconds)}")

@@ -11,7 +11,8 @@ from lab_helpers.core.cli import Command, Program, error_line, program_parser, q
 from lab_helpers.core.errors import EXIT_OK
 from lab_helpers.core.files import check_new_output, read_json_file, write_new_bytes
 from lab_helpers.core.numbers import whole_number
-from lab_helpers.views.explain import explain_snapshot, explanation_table, load_snapshot
+from lab_helpers.views.explain import explain_document, explanation_table, load_snapshot
+from lab_helpers.views.oom_fit import add_fit_prediction, fit_prediction_lines
 from lab_helpers.views.timeline import (MAX_BINS, MAX_FILE_BYTES, MAX_FILE_BYTES_LIMIT, MAX_TOP, TimelineError,
                                         check_timeline, load_timeline, phase_peaks, render_png)
 
@@ -36,6 +37,7 @@ def add_explain_arguments(p) -> None:
     p.add_argument("--failed-request-bytes", type=_byte_count, default=None, help="the request that failed, when the file does not say")
     p.add_argument("--device-free-bytes", type=_byte_count, default=None, help="the device's free bytes at the failure, when the file does not say")
     p.add_argument("--process-limit-bytes", type=_byte_count, default=None, help="the cap set_per_process_memory_fraction put on this process's reserved bytes, when the file does not say")
+    p.add_argument("--predict-fit", action="store_true", help="for a real model's out-of-memory file (real_model measure --timeline): also predict, with real_model fit's search on the meta device, the largest batch at the run's context and the largest context at its batch under the budget the allocator had at the failure (reserved + the device's free bytes); a prediction, not a measurement")
     p.add_argument("--max-file-bytes", type=_file_bytes, default=MAX_FILE_BYTES, help=SIZE_HELP)
 
 
@@ -69,11 +71,10 @@ def handle_plot(args) -> int:
 
 def handle_explain(args) -> int:
     loaded = load_snapshot(args.snapshot, args.max_file_bytes)
-    result = explain_snapshot(
-        loaded["snapshot"],
-        args.failed_request_bytes if args.failed_request_bytes is not None else loaded["failed_request_bytes"],
-        args.device_free_bytes if args.device_free_bytes is not None else loaded["device_free_bytes"],
-        args.process_limit_bytes if args.process_limit_bytes is not None else loaded["process_limit_bytes"])
+    result = explain_document(loaded, args.failed_request_bytes, args.device_free_bytes, args.process_limit_bytes)
+    if args.predict_fit:
+        add_fit_prediction(result, loaded)
+        result["summary"] += fit_prediction_lines(result["fit_prediction"])
     print(json.dumps(result, indent=2) if args.format == "json" else explanation_table(result))
     return EXIT_OK
 
