@@ -137,7 +137,7 @@ class AllocatorModel:
 
 
 # ---- from lab_helpers/allocator/budget.py: The caching allocator on a device of bounded memory: release-and-retry, then out of memory.
-MAX_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
+MAX_MEMORY_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
 
 
 class OutOfMemory(Exception):
@@ -3574,7 +3574,7 @@ def add_predict_arguments(p) -> None:
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
     budget = group.add_mutually_exclusive_group()
-    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N",
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
                         help="the budget in bytes, 1 to 2^50")
     # not `device`: the network's configuration has a device of its own (measure's)
     budget.add_argument("--device", dest="budget_device", default=None, metavar="cuda:N",

@@ -9,7 +9,7 @@ allocator's segments may add up to (reserved) before cudaMalloc fails. Standard 
 from lab_helpers.allocator.model import SMALL_REQUEST_MAX_BYTES, AllocatorModel
 
 
-MAX_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
+MAX_MEMORY_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
 
 
 class OutOfMemory(Exception):

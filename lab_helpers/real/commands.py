@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lab_helpers.allocator.budget import MAX_BUDGET_BYTES
+from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -91,7 +91,7 @@ PREDICT_BUDGET_HELP = (
 def add_budget_flags(p) -> None:
     group = p.add_argument_group("budget", textwrap.fill(PREDICT_BUDGET_HELP, 76, break_on_hyphens=False))
     budget = group.add_mutually_exclusive_group()
-    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N",
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
                         help="the budget in bytes, 1 to 2^50")
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
     budget.add_argument("--device", default=None, metavar="cuda:N",
@@ -131,7 +131,7 @@ def add_fit_arguments(p) -> None:
     budget.add_argument("--gpu", metavar="MODEL_ID",
                         help="a model_id of the rate card data/tarifs-forfaits.csv: its budget by the rule fit --card "
                              "uses (measured on that GPU, else derived, not measured, from data/gpu-memory.json)")
-    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N",
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
                         help="the budget in bytes: a whole number from 1 to 2^50")
     p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
                    "is measured (default cuda:0)")

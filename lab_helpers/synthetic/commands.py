@@ -12,7 +12,7 @@ import sys
 import textwrap
 from dataclasses import replace
 
-from lab_helpers.allocator.budget import MAX_BUDGET_BYTES
+from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.allocator.history import DEFAULT_MAX_ENTRIES
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
@@ -142,7 +142,7 @@ def add_predict_arguments(p) -> None:
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
     budget = group.add_mutually_exclusive_group()
-    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_BUDGET_BYTES), metavar="N",
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
                         help="the budget in bytes, 1 to 2^50")
     # not `device`: the network's configuration has a device of its own (measure's)
     budget.add_argument("--device", dest="budget_device", default=None, metavar="cuda:N",
