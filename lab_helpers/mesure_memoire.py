@@ -145,9 +145,13 @@ class OutOfMemory(Exception):
     its wholly free cached segments. Every figure is in bytes, taken at the failing request, after
     the release; `phase` and `index` are set by the code that runs the phases."""
 
-    def __init__(self, request_bytes: int, block_bytes: int, segment_bytes: int, reserved_bytes: int,
-                 allocated_bytes: int, budget_bytes: int, released_bytes: int):
-        super().__init__(f"{segment_bytes} more bytes needed with {reserved_bytes} reserved of {budget_bytes}")
+    def __init__(self, request_bytes=None, block_bytes=None, segment_bytes=None, reserved_bytes=None,
+                 allocated_bytes=None, budget_bytes=None, released_bytes=None):
+        if isinstance(request_bytes, str):  # a message alone (the expandable-segments model raises it so)
+            super().__init__(request_bytes)
+            request_bytes = None
+        else:
+            super().__init__(f"{segment_bytes} more bytes needed with {reserved_bytes} reserved of {budget_bytes}")
         self.request_bytes = request_bytes
         self.block_bytes = block_bytes
         self.segment_bytes = segment_bytes
@@ -159,7 +163,9 @@ class OutOfMemory(Exception):
         self.index = None
 
     def report(self) -> dict:
-        """The out-of-memory outcome as a document's block."""
+        """The out-of-memory outcome as a document's block (a message alone: the figures it gives)."""
+        if self.request_bytes is None:
+            return {"phase": self.phase, "index": self.index, "message": str(self)}
         return {
             "phase": self.phase, "index": self.index,
             "request_bytes": self.request_bytes,  # as the code asked
@@ -1634,6 +1640,402 @@ class HistoryRecorder:
                                                stacks=self.stacks)
 
 
+# ---- from lab_helpers/allocator/expandable.py: A model of PyTorch's CUDA caching allocator under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+SMALL_PAGE_BYTES = SMALL_SEGMENT_BYTES  # kSmallBuffer: the small pool maps 2 MiB pages
+
+
+LARGE_PAGE_BYTES = LARGE_SEGMENT_BYTES  # kLargeBuffer: the large pool maps 20 MiB pages
+
+
+# cudaGetDeviceProperties' totalGlobalMem of an NVIDIA H200 (143771 MiB; torch's total_memory, as the
+# measurement files record it, not cudaMemGetInfo's 150109880320): it sets the size of the virtual
+# range, 8088 pages of 20 MiB (157.97 GiB) for the large pool, beyond which a second segment starts.
+H200_TOTAL_MEMORY_BYTES = 143771 * 2**20
+
+
+class PagesOutOfMemory(Exception):
+    """The replayed allocator could not map the pages a request needs within its capacity."""
+
+
+@dataclass(eq=False)
+class _ExpandableBlock:
+    size: int
+    address: int
+    segment: "_ExpandableSegment"
+    mapped: bool
+    free: bool = True
+
+    @property
+    def small(self) -> bool:
+        return self.segment.small
+
+
+@dataclass(eq=False)
+class _ExpandableSegment:
+    small: bool
+    page_bytes: int
+    base: int
+    blocks: list  # in address order, covering the whole virtual range
+
+
+class ExpandableAllocator:
+    """Replays PyTorch's CUDA caching allocator under expandable_segments:True on request sizes alone,
+    on a device that never runs out of memory (CappedExpandableAllocator has a capacity)."""
+
+    round_size = staticmethod(AllocatorModel.round_size)
+
+    def __init__(self, total_memory_bytes: int = H200_TOTAL_MEMORY_BYTES):
+        self.total_memory_bytes = total_memory_bytes
+        self.free_blocks = {True: [], False: []}  # per pool (small?), the free mapped blocks
+        self.segments = {True: [], False: []}
+        self.next_address = 0
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.retries = 0  # num_alloc_retries: out-of-memory retries after a release
+        self.unmapped_bytes = 0  # given back by releases, in all
+
+    # ------------------------------------------------------------------ the public calls
+    def malloc(self, request_bytes: int) -> _ExpandableBlock:
+        """Allocate; return the block to pass to free()."""
+        size = self.round_size(request_bytes)
+        small = size <= SMALL_REQUEST_MAX_BYTES
+        pool = self.free_blocks[small]
+        block = self._best_fit(pool, size)
+        if block is not None:
+            pool.remove(block)
+        else:
+            block = self._grow(small, size)
+            if block is None:
+                self.release_cached()
+                self.retries += 1
+                block = self._grow(small, size)
+                if block is None:
+                    raise self._out_of_memory(size)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK_BYTES:  # should_split: in both pools under expandable segments
+            rest = _ExpandableBlock(remaining, block.address + size, block.segment, True)
+            blocks = block.segment.blocks
+            blocks.insert(blocks.index(block) + 1, rest)
+            pool.append(rest)
+            block.size = size
+        block.free = False
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: _ExpandableBlock) -> None:
+        """Return a block to its pool, merged with its free mapped neighbours (free_block)."""
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in self._neighbours(block):
+            if neighbour is not None and neighbour.free and neighbour.mapped:
+                self._absorb(block, neighbour)
+                self.free_blocks[block.small].remove(neighbour)
+        self.free_blocks[block.small].append(block)
+
+    def release_cached(self) -> None:
+        """Give back every whole page inside a free mapped block, as release_cached_blocks does before an
+        out-of-memory error and on torch.cuda.empty_cache(); a segment left wholly unmapped is
+        released (release_expandable_segment)."""
+        for small in (False, True):  # the large pool first, as release_cached_blocks does
+            for block in sorted(self.free_blocks[small], key=lambda b: (b.size, b.address)):
+                self._unmap(block)
+                if len(block.segment.blocks) == 1 and not block.mapped:  # nothing mapped is left in it
+                    self.segments[small].remove(block.segment)
+
+    def reset_peaks(self) -> None:
+        """Restart the peaks from the current values, as reset_peak_memory_stats does."""
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    # --------------------------------------------------------------- the device's capacity
+    def _can_map(self, nbytes: int) -> bool:
+        """Whether the device has `nbytes` more for new pages (cuMemCreate succeeds)."""
+        return True
+
+    def _out_of_memory(self, size: int) -> Exception:
+        return PagesOutOfMemory(f"{size} bytes requested, no free block and no pages to map with "
+                                f"{self.reserved} reserved")
+
+    # ------------------------------------------------------------------------ the rules
+    @staticmethod
+    def _neighbours(block: _ExpandableBlock) -> tuple:
+        blocks = block.segment.blocks
+        i = blocks.index(block)
+        return (blocks[i - 1] if i > 0 else None, blocks[i + 1] if i + 1 < len(blocks) else None)
+
+    @staticmethod
+    def _absorb(block: _ExpandableBlock, neighbour: _ExpandableBlock) -> None:
+        """try_merge_blocks: `block` takes over its neighbour's range; the neighbour disappears."""
+        block.segment.blocks.remove(neighbour)
+        block.address = min(block.address, neighbour.address)
+        block.size += neighbour.size
+
+    def _expandable_size(self, block: _ExpandableBlock) -> int:
+        after = self._neighbours(block)[1]
+        return block.size + (after.size if after is not None and not after.mapped else 0)
+
+    def _best_fit(self, pool: list, size: int):
+        """get_free_block under expandable segments."""
+        fits = [b for b in pool if b.size >= size]
+        if len(fits) > 1:
+            fits.sort(key=lambda b: (b.size, b.address))
+            i = 0
+            while i + 1 < len(fits) and self._expandable_size(fits[i + 1]) < self._expandable_size(fits[i]):
+                i += 1
+            return fits[i]
+        return fits[0] if fits else None
+
+    def _find_expandable(self, small: bool, size: int) -> _ExpandableBlock:
+        """find_expandable_block: the lowest address where free and unmapped ranges add up to `size`
+        (from the free block before an unmapped range, when there is one), else a new segment."""
+        for segment in self.segments[small]:
+            blocks = segment.blocks
+            for i, block in enumerate(blocks):
+                if block.mapped:
+                    continue
+                start = i - 1 if i > 0 and blocks[i - 1].free else i
+                room, j = 0, start
+                while room < size and j < len(blocks) and blocks[j].free:
+                    room += blocks[j].size
+                    j += 1
+                if room >= size:
+                    return blocks[start]
+        page = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
+        address_space = self.total_memory_bytes + self.total_memory_bytes // 8
+        virtual = -(-address_space // page) * page
+        segment = _ExpandableSegment(small, page, self.next_address, [])
+        segment.blocks.append(_ExpandableBlock(virtual, self.next_address, segment, False))
+        self.next_address += virtual
+        self.segments[small].append(segment)
+        return segment.blocks[0]
+
+    def _grow(self, small: bool, size: int):
+        """try_allocate_expandable_block: map what the candidate range lacks; None if a mapping fails
+        (pages mapped by an earlier step of the same call stay mapped, as in PyTorch)."""
+        candidate = self._find_expandable(small, size)
+        if not candidate.mapped:
+            candidate = self._map(candidate, min(candidate.size, size))
+            if candidate is None:
+                return None
+        while candidate.size < size:
+            after = self._neighbours(candidate)[1]  # unmapped: free -> unmapped -> ...
+            candidate = self._map(after, min(size - candidate.size, after.size))
+            if candidate is None:
+                return None
+        self.free_blocks[small].remove(candidate)
+        return candidate
+
+    def _map(self, block: _ExpandableBlock, size: int):
+        """map_block: whole pages from the start of an unmapped block, merged with free mapped neighbours."""
+        segment = block.segment
+        page = segment.page_bytes
+        mapped = -(-size // page) * page  # the block starts on a page: ExpandableSegment::map
+        if not self._can_map(mapped):
+            return None
+        if mapped < block.size:
+            rest = _ExpandableBlock(block.size - mapped, block.address + mapped, segment, False)
+            segment.blocks.insert(segment.blocks.index(block) + 1, rest)
+            block.size = mapped
+        block.mapped = True
+        pool = self.free_blocks[segment.small]
+        for neighbour in self._neighbours(block):
+            if neighbour is not None and neighbour.free and neighbour.mapped:
+                self._absorb(block, neighbour)
+                pool.remove(neighbour)
+        pool.append(block)
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
+    def _unmap(self, block: _ExpandableBlock) -> None:
+        """unmap_block: the whole pages inside a free mapped block; the partial pages at its ends stay
+        mapped as free blocks of their own."""
+        segment = block.segment
+        page = segment.page_bytes
+        start, end = block.address - segment.base, block.address - segment.base + block.size
+        first, last = -(-start // page), end // page
+        if first >= last:
+            return
+        pool = self.free_blocks[segment.small]
+        pool.remove(block)
+        blocks = segment.blocks
+        before, after = first * page - start, end - last * page
+        if before:
+            head = _ExpandableBlock(before, block.address, segment, True)
+            blocks.insert(blocks.index(block), head)
+            pool.append(head)
+        if after:
+            tail = _ExpandableBlock(after, segment.base + last * page, segment, True)
+            blocks.insert(blocks.index(block) + 1, tail)
+            pool.append(tail)
+        unmapped = (last - first) * page
+        block.address, block.size, block.mapped = segment.base + first * page, unmapped, False
+        for neighbour in self._neighbours(block):
+            if neighbour is not None and not neighbour.mapped:
+                self._absorb(block, neighbour)
+        self.reserved -= unmapped
+        self.unmapped_bytes += unmapped
+
+
+class CappedExpandableAllocator(ExpandableAllocator):
+    """ExpandableAllocator on a device where at most `capacity_bytes` can be reserved (mapped): a
+    request that needs pages beyond it first gets every whole free page released (release_cached),
+    then is retried, then raises `out_of_memory` (the caller's exception class, so that a search
+    that catches its own allocator's error catches this one too)."""
+
+    def __init__(self, capacity_bytes: int, out_of_memory=PagesOutOfMemory,
+                 total_memory_bytes: int = H200_TOTAL_MEMORY_BYTES):
+        super().__init__(total_memory_bytes)
+        self.capacity_bytes = capacity_bytes
+        self.out_of_memory = out_of_memory
+
+    def _can_map(self, nbytes: int) -> bool:
+        return self.reserved + nbytes <= self.capacity_bytes
+
+    def _out_of_memory(self, size: int) -> Exception:
+        return self.out_of_memory(f"{size} bytes requested: no free block, and the pages it needs do not fit "
+                                  f"with {self.reserved} reserved of {self.capacity_bytes} "
+                                  f"(expandable segments, after releasing every free page)")
+
+
+# ---- from lab_helpers/allocator/settings.py: The allocator settings the lab models (PYTORCH_CUDA_ALLOC_CONF), read once from a flag, the
+# torch reads PYTORCH_ALLOC_CONF in its newer versions and PYTORCH_CUDA_ALLOC_CONF in all of them;
+# the lab reads both and refuses two different texts, whichever one a given torch prefers
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+MAX_ALLOC_CONF_CHARS = 200  # checked before the text is read: PyTorch's own settings fit in far fewer
+
+
+# What the lab replays, and the values PyTorch's parser accepts for it (AllocatorConfig::parseArgs:
+# exactly True or False). Every other key (max_split_size_mb, garbage_collection_threshold,
+# roundup_power2_divisions, backend, ...) changes what the allocator does in ways the lab does not model.
+MODELLED_SETTINGS = {"expandable_segments": ("True", "False")}
+
+
+ALLOCATOR_CONF_HELP = ("the CUDA caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF writes them: "
+                       "expandable_segments:True or expandable_segments:False (the lab models no other "
+                       "setting); default: PYTORCH_CUDA_ALLOC_CONF from the environment, else PyTorch's defaults")
+
+
+def allocator_environment():
+    """The process's environment, of which only ALLOC_CONF_VARIABLES are ever read or set here."""
+    return os.environ  # the allocator's variables only: PyTorch reads its settings there
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """The allocator settings a run uses (only those the lab models)."""
+
+    expandable_segments: bool = False
+
+    def conf_text(self) -> str:
+        """The settings as PYTORCH_CUDA_ALLOC_CONF writes them."""
+        return f"expandable_segments:{self.expandable_segments}"
+
+    def describe(self) -> str:
+        """For people and documents: what the allocator replays."""
+        if self.expandable_segments:
+            return ("expandable_segments:True (one segment per pool that grows in pages: 2 MiB for requests "
+                    "up to 1 MiB, 20 MiB for larger ones)")
+        return "PyTorch's default caching allocator (expandable_segments:False)"
+
+
+DEFAULT_SETTINGS = AllocatorSettings()
+
+
+def parse_allocator_conf(text, name: str) -> AllocatorSettings:
+    """The settings written in `text` (`key:value` pairs separated by commas; spaces ignored, as
+    PyTorch's lexer ignores them); LabError naming `name` for anything the lab does not model."""
+    if not isinstance(text, str):
+        raise LabError(f"{name} must be a text such as expandable_segments:True, got {type(text).__name__}")
+    if len(text) > MAX_ALLOC_CONF_CHARS:
+        raise LabError(f"{name} has {len(text)} characters; at most {MAX_ALLOC_CONF_CHARS} are accepted")
+    if any(not " " <= c <= "~" for c in text):
+        raise LabError(f"{name} holds a character that is not printable ASCII: {text[:40]!r}")
+    compact = text.replace(" ", "")
+    if not compact:
+        return DEFAULT_SETTINGS
+    found = {}
+    for item in compact.split(","):
+        key, colon, value = item.partition(":")
+        if not colon or not key or not value or ":" in value or "[" in item or "]" in item:
+            raise LabError(f"{name}: {item[:40]!r} is not a key:value pair (e.g. expandable_segments:True)")
+        if key not in MODELLED_SETTINGS:
+            raise LabError(f"{name}: {key[:40]!r} is an allocator setting the lab does not model; it models "
+                           f"expandable_segments:True and expandable_segments:False only")
+        if value not in MODELLED_SETTINGS[key]:
+            raise LabError(f"{name}: {key} must be True or False (as PyTorch writes them), got {value[:40]!r}")
+        if key in found:
+            raise LabError(f"{name}: {key} is given twice")
+        found[key] = value
+    return AllocatorSettings(expandable_segments=found.get("expandable_segments") == "True")
+
+
+def settings_from_environment(environ=None) -> AllocatorSettings:
+    """The settings PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) gives; PyTorch's defaults if unset."""
+    environ = allocator_environment() if environ is None else environ
+    given = {name: environ[name] for name in ALLOC_CONF_VARIABLES if name in environ}
+    texts = {parse_allocator_conf(text, name) for name, text in given.items()}
+    if len(texts) > 1:
+        raise LabError(f"{' and '.join(given)} are both set, to different settings; set one")
+    return texts.pop() if texts else DEFAULT_SETTINGS
+
+
+def allocator_settings(flag_text=None, environ=None) -> AllocatorSettings:
+    """The settings of a command: --allocator-conf when given, else the environment's."""
+    if flag_text is not None:
+        return parse_allocator_conf(flag_text, "--allocator-conf")
+    return settings_from_environment(environ)
+
+
+def recorded_settings(environment_record) -> AllocatorSettings:
+    """The settings a measurement ran under, from its environment block (what the measuring process's
+    environment held; a file without the fields ran before they were recorded, under the defaults)."""
+    record = environment_record if isinstance(environment_record, dict) else {}
+    given = {}
+    for variable in ALLOC_CONF_VARIABLES:
+        value = record.get(variable.lower())
+        if value is not None:
+            given[variable] = value
+    texts = {parse_allocator_conf(text, f"the measurement's environment.{name.lower()}")
+             for name, text in given.items()}
+    if len(texts) > 1:
+        raise LabError("the measurement's environment records two different allocator settings")
+    return texts.pop() if texts else DEFAULT_SETTINGS
+
+
+def recorded_environment_variables(environ=None) -> dict:
+    """{pytorch_cuda_alloc_conf, pytorch_alloc_conf}: the variables as this process holds them (None
+    when unset), cut to MAX_ALLOC_CONF_CHARS, for the environment report."""
+    environ = allocator_environment() if environ is None else environ
+    return {name.lower(): (environ[name][:MAX_ALLOC_CONF_CHARS] if name in environ else None)
+            for name in ALLOC_CONF_VARIABLES}
+
+
+def put_in_force(settings: AllocatorSettings, environ=None) -> None:
+    """Make `settings` the allocator's for this process, before CUDA initialises: the variables are
+    set (PyTorch reads them when its allocator starts); a torch already imported is told at once.
+    LabError when CUDA already runs here under other settings (they cannot change it any more)."""
+    environ = allocator_environment() if environ is None else environ
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        current = settings_from_environment(environ)
+        if current != settings:
+            raise LabError(f"CUDA is already initialised in this process under {current.conf_text()}; "
+                           f"{settings.conf_text()} must be set before it starts")
+        return
+    for name in ALLOC_CONF_VARIABLES:
+        environ[name] = settings.conf_text()
+    if torch is not None:  # its allocator may have read the variables at import: tell it directly
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # newer torch; the older name warns
+        (setter or torch.cuda.memory._set_allocator_settings)(settings.conf_text())
+
+
+def replay_allocator(settings: AllocatorSettings):
+    """The model of the allocator under `settings`, on a device that never runs out of memory."""
+    return ExpandableAllocator() if settings.expandable_segments else AllocatorModel()
+
+
 # ---- from lab_helpers/core/cli.py: The command-line layer: one parser class (usage errors in one line, exit 2), the broken-pipe guard, one dispatcher.
 def quiet_broken_pipe(main_function):
     """Wrap a command's `main(argv=None) -> int` so that a reader closing its stdout early
@@ -2208,6 +2610,10 @@ class EnvironmentReport:
     free_memory_bytes: int | None = None
     usable_memory_bytes: int | str | None = None  # None: not measured (inside a measuring process)
     usable_memory_unavailable_reason: str | None = None
+    # the allocator's settings as this process's environment held them when the report was made
+    # (a measurement makes it after CUDA started, so they are the ones its allocator ran under)
+    pytorch_cuda_alloc_conf: str | None = None
+    pytorch_alloc_conf: str | None = None
     os: str = field(default_factory=platform.system)
     machine: str = field(default_factory=platform.machine)
 
@@ -2225,7 +2631,8 @@ def environment_document(device: str, index: int, usable_memory_figure: bool, us
     """The environment report; `all_devices` adds the ``devices`` list (left out of measurement
     files: reading another GPU's free memory would put a CUDA context on it)."""
     probe = usable_memory if usable_memory_probe is None else usable_memory_probe
-    report = EnvironmentReport(python_version=platform.python_version(), device=device)
+    report = EnvironmentReport(python_version=platform.python_version(), device=device,
+                               **recorded_environment_variables())
     devices = []
 
     def result():
@@ -2645,16 +3052,24 @@ RESERVED_ASSUMPTIONS = (
     "segments were made")
 
 
+EXPANDABLE_RESERVED_ASSUMPTIONS = (
+    "a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (one segment per pool that grows "
+    "at its end in pages: 2 MiB for requests up to 1 MiB, 20 MiB for larger ones; no other setting), "
+    "enough free memory (no release of free pages and retry)")
+
+
 OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
     "not predicted: what NCCL holds outside PyTorch's allocator (its buffers and communicators) is "
     "measured per rank by measure, from the device's free memory")
 
 
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, budget_bytes=None, budget_source=None) -> dict:
-    """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
-    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS.
-    At tensor parallel N the document holds ``ranks`` (each rank's phases) instead of ``phases``.
+            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS,
+            budget_bytes=None, budget_source=None) -> dict:
+    """Predict allocated and reserved bytes per phase, from the allocator's rules alone (under the
+    `allocator` settings). Each phase also has ``end_allocated_bytes_by_kind``: its end allocated
+    bytes split into ALLOCATION_KINDS. At tensor parallel N the document holds ``ranks`` (each
+    rank's phases) instead of ``phases``.
 
     With `budget_bytes` (what one GPU's reserved may reach), the allocator's release of its free
     cached segments and retry is replayed (lab_helpers.allocator.budget); a run that still runs out
@@ -2667,12 +3082,14 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "configuration": config.record(),
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
-        "reserved_assumptions": RESERVED_ASSUMPTIONS,
+        "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
         "budget": ({"bytes": budget_bytes, "source": budget_source or "given"} if budget_bytes is not None else
                    {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}),
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
-        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes)
+        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes, allocator)
         document["phases"] = replay["phases"]
         document.update({k: replay[k] for k in ("cache_releases", "out_of_memory") if k in replay})
         return document
@@ -2682,7 +3099,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     # replay is computed, not copied, with the same sizes.
     document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
     document["ranks"] = [{"rank": rank, **replay_under_budget(config, workspace_bytes, config.shard_hidden,
-                                                              budget_bytes)}
+                                                              budget_bytes, allocator)}
                          for rank in range(config.tensor_parallel)]
     failed = [{"rank": r["rank"], **r["out_of_memory"]} for r in document["ranks"] if "out_of_memory" in r]
     if failed:
@@ -2690,21 +3107,29 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     return document
 
 
-def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int) -> list:
+def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
+                   allocator: AllocatorSettings = DEFAULT_SETTINGS) -> list:
     """The phases of one process holding `hidden` features of the first Linear (all of them on one
-    GPU, hidden / N on each of N ranks), replayed on AllocatorModel for an unbounded device."""
-    return replay_under_budget(config, workspace_bytes, hidden, None)["phases"]
+    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`, for an
+    unbounded device."""
+    return replay_under_budget(config, workspace_bytes, hidden, None, allocator)["phases"]
 
 
-def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget) -> dict:
-    """{"phases", "cache_releases"[, "out_of_memory"]} of one process holding `hidden` features of
-    the first Linear, replayed on the allocator model under `budget`: None (unbounded), bytes, or a
-    list of bytes, one per phase record (a measurement's, see measured_budgets). A predicted
-    out-of-memory ends the phases before the one that fails."""
+def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget,
+                        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+    """{"phases"[, "cache_releases", "out_of_memory"]} of one process holding `hidden` features of
+    the first Linear, replayed on the allocator model under `allocator` and `budget`: None
+    (unbounded), bytes, or a list of bytes, one per phase record (a measurement's, see
+    measured_budgets). A predicted out-of-memory ends the phases before the one that fails."""
     c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
-    alloc = BudgetedAllocatorModel()
+    if budget is None:
+        alloc = replay_allocator(allocator)
+    elif allocator.expandable_segments:  # its own capacity, set per phase below
+        alloc = CappedExpandableAllocator(None, OutOfMemory)
+    else:
+        alloc = BudgetedAllocatorModel()
     live = {}
     phases = []
     releases = []
@@ -2722,10 +3147,14 @@ def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: i
         alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
-        alloc.budget_bytes = budget[len(phases)] if isinstance(budget, list) else budget
+        phase_budget = budget[len(phases)] if isinstance(budget, list) else budget
+        if isinstance(alloc, BudgetedAllocatorModel):
+            alloc.budget_bytes = phase_budget
+        elif phase_budget is not None:  # the expandable-segments model's own capacity
+            alloc.capacity_bytes = phase_budget
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        seen = len(alloc.releases)
+        seen = len(getattr(alloc, "releases", ()))
         try:
             action()
         except OutOfMemory as exc:
@@ -2733,7 +3162,7 @@ def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: i
             raise
         finally:
             releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
-                            for r, after in alloc.releases[seen:])
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         phases.append({
             "phase": name, "index": index, "passes": passes,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
@@ -2833,10 +3262,14 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     else:
         workspace = {"bytes": list(workspace_bytes), "source": "given on the command line"}
     _check_workspace(workspace["bytes"])
+    # the measurement is replayed under the settings its process ran with (its environment block)
+    allocator = recorded_settings(measurement.get("environment"))
+    if "environment" not in measurement and "allocator_conf" in measurement:  # a prediction's own setting
+        allocator = parse_allocator_conf(measurement["allocator_conf"], "$.allocator_conf")
     if not parallel:
-        return {"workspace": workspace,
+        return {"workspace": workspace, "allocator_conf": allocator.conf_text(),
                 **_compare_phases(config, measurement["phases"], tuple(workspace["bytes"]),
-                                  config.hidden_features, "$.phases")}
+                                  config.hidden_features, "$.phases", allocator)}
     ranks = measurement["ranks"]
     if len(ranks) != config.tensor_parallel:
         raise LabError(f"$.ranks: {len(ranks)} ranks, but tensor_parallel is {config.tensor_parallel}")
@@ -2845,10 +3278,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
         if rank["rank"] != i:
             raise LabError(f"$.ranks[{i}].rank: {rank['rank']}, but ranks are listed in order from 0")
         compared = _compare_phases(config, rank["phases"], tuple(workspace["bytes"]), config.shard_hidden,
-                                   f"$.ranks[{i}].phases")
+                                   f"$.ranks[{i}].phases", allocator)
         results.append({"rank": i, "device": rank.get("device"), "outside_allocator": rank.get("outside_allocator"),
                         **compared})
-    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace,
+    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace, "allocator_conf": allocator.conf_text(),
             "allocated_exact": all(r["allocated_exact"] for r in results), "ranks": results}
 
 
@@ -2859,9 +3292,10 @@ def _check_workspace(workspace_bytes) -> None:
         parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
 
 
-def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str) -> dict:
+def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,
+                    allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
-    bare = _replay_phases(config, (), hidden)
+    bare = _replay_phases(config, (), hidden, allocator)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
         raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
@@ -2872,7 +3306,7 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
                            f"writes phase {want[0]!r} index {want[1]!r} there")
     # under the budget the measured device gave each phase (older files: unbounded, and said so)
     budgets = measured_budgets(measured)
-    replay = replay_under_budget(config, workspace_bytes, hidden, budgets)
+    replay = replay_under_budget(config, workspace_bytes, hidden, budgets, allocator)
     predicted = replay["phases"]
     cold = PHASES.index("cold_forward")
     detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]
@@ -2977,6 +3411,8 @@ def synthetic_budget_line(budget: dict) -> str:
 
 def synthetic_out_of_memory_line(oom: dict) -> str:
     rank = f"rank {oom['rank']}, " if "rank" in oom else ""
+    if "message" in oom:  # the expandable-segments model says it in words
+        return f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: {oom['message']}"
     return (f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: tried to allocate "
             f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
             f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
@@ -3551,6 +3987,7 @@ def add_measure_arguments(p) -> None:
     p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
                    help="seed of the weights and inputs (default 0)")
     p.add_argument("--output", required=True, help="new JSON file to create; an existing file is never overwritten")
+    p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP + "; set before CUDA starts")
     p.add_argument("--failure-report", metavar="PATH",
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
@@ -3572,6 +4009,7 @@ def add_predict_arguments(p) -> None:
                              f"{MAX_TENSOR_PARALLEL}; N must divide --hidden")
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
+    p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
     group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
     budget = group.add_mutually_exclusive_group()
     budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
@@ -3673,11 +4111,13 @@ def handle_environment(args) -> int:
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
     config = _config_from(args)  # checked before a budget is measured
+    settings = allocator_settings(args.allocator_conf)
     budget, source = synthetic_budget(args)
     if workspace is None:
-        result = predict(config, budget_bytes=budget, budget_source=source)
+        result = predict(config, allocator=settings, budget_bytes=budget, budget_source=source)
     else:
-        result = predict(config, workspace, "given on the command line", budget, source)
+        result = predict(config, workspace, "given on the command line", allocator=settings, budget_bytes=budget,
+                         budget_source=source)
     print_result(args, result, predict_table)
     return EXIT_PHASE if "out_of_memory" in result else EXIT_OK
 
@@ -3692,7 +4132,10 @@ def handle_compare(args) -> int:
 
 def handle_measure(args) -> int:
     config = _config_from(args)
+    settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
     check_new_output(args.output)
+    if args.allocator_conf is not None:
+        put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     try:
         if config.tensor_parallel is not None:
             result = measure_tensor_parallel_command(args, config)

@@ -17,9 +17,13 @@ class OutOfMemory(Exception):
     its wholly free cached segments. Every figure is in bytes, taken at the failing request, after
     the release; `phase` and `index` are set by the code that runs the phases."""
 
-    def __init__(self, request_bytes: int, block_bytes: int, segment_bytes: int, reserved_bytes: int,
-                 allocated_bytes: int, budget_bytes: int, released_bytes: int):
-        super().__init__(f"{segment_bytes} more bytes needed with {reserved_bytes} reserved of {budget_bytes}")
+    def __init__(self, request_bytes=None, block_bytes=None, segment_bytes=None, reserved_bytes=None,
+                 allocated_bytes=None, budget_bytes=None, released_bytes=None):
+        if isinstance(request_bytes, str):  # a message alone (the expandable-segments model raises it so)
+            super().__init__(request_bytes)
+            request_bytes = None
+        else:
+            super().__init__(f"{segment_bytes} more bytes needed with {reserved_bytes} reserved of {budget_bytes}")
         self.request_bytes = request_bytes
         self.block_bytes = block_bytes
         self.segment_bytes = segment_bytes
@@ -31,7 +35,9 @@ class OutOfMemory(Exception):
         self.index = None
 
     def report(self) -> dict:
-        """The out-of-memory outcome as a document's block."""
+        """The out-of-memory outcome as a document's block (a message alone: the figures it gives)."""
+        if self.request_bytes is None:
+            return {"phase": self.phase, "index": self.index, "message": str(self)}
         return {
             "phase": self.phase, "index": self.index,
             "request_bytes": self.request_bytes,  # as the code asked

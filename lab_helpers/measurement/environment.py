@@ -4,6 +4,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 
+from lab_helpers.allocator.settings import recorded_environment_variables
 from lab_helpers.core.errors import safe_reason
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.core.tables import format_bytes, text_table
@@ -111,6 +112,10 @@ class EnvironmentReport:
     free_memory_bytes: int | None = None
     usable_memory_bytes: int | str | None = None  # None: not measured (inside a measuring process)
     usable_memory_unavailable_reason: str | None = None
+    # the allocator's settings as this process's environment held them when the report was made
+    # (a measurement makes it after CUDA started, so they are the ones its allocator ran under)
+    pytorch_cuda_alloc_conf: str | None = None
+    pytorch_alloc_conf: str | None = None
     os: str = field(default_factory=platform.system)
     machine: str = field(default_factory=platform.machine)
 
@@ -128,7 +133,8 @@ def environment_document(device: str, index: int, usable_memory_figure: bool, us
     """The environment report; `all_devices` adds the ``devices`` list (left out of measurement
     files: reading another GPU's free memory would put a CUDA context on it)."""
     probe = usable_memory if usable_memory_probe is None else usable_memory_probe
-    report = EnvironmentReport(python_version=platform.python_version(), device=device)
+    report = EnvironmentReport(python_version=platform.python_version(), device=device,
+                               **recorded_environment_variables())
     devices = []
 
     def result():

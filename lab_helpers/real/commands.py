@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
+from lab_helpers.allocator.settings import ALLOCATOR_CONF_HELP, allocator_settings, put_in_force
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -69,6 +70,7 @@ def add_run_flags(parser, sizes_required=True) -> None:
     parser.add_argument("--tensor-parallel", type=whole_number(1, MAX_TENSOR_PARALLEL), default=1, metavar="N",
                         help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
                              "per rank (default 1: one GPU)")
+    parser.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
 
 
 def _format_flag(parser) -> None:
@@ -175,9 +177,11 @@ def handle_predict(args) -> int:
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
     note = check_positions(shape, args)
     check_tensor_parallel(shape, spec.tensor_parallel)  # before a budget is measured
+    settings = allocator_settings(args.allocator_conf)
     budget, source = predict_budget(args, spec.tensor_parallel)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
-    result = predict_model(shape, spec, capacity_bytes=budget, budget_source=source, report_out_of_memory=True)
+    result = predict_model(shape, spec, allocator=settings, capacity_bytes=budget, budget_source=source,
+                           report_out_of_memory=True)
     if note:
         result["beyond_positions"] = note
     print_model_result(args, result, model_prediction_table)
@@ -216,6 +220,10 @@ def handle_compare(args) -> int:
 
 def handle_fit(args) -> int:
     check_card_flags(args)  # before the config is read
+    settings = allocator_settings(args.allocator_conf)
+    if args.card and settings.expandable_segments:
+        raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
+                       "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
     shape = load_config(args.config)
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
@@ -241,7 +249,7 @@ def handle_fit(args) -> int:
                 source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
                            f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
         result = with_memory_source(fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch,
-                                              args.context, tensor_parallel=degree), label)
+                                              args.context, tensor_parallel=degree, allocator=settings), label)
     print_model_result(args, result, model_fit_table)
     return EXIT_OK
 
@@ -249,6 +257,7 @@ def handle_fit(args) -> int:
 def measure_command_result(args) -> "dict | None":
     """Measure as the flags say and write the file; the result to print, or None on a tensor-parallel
     rank other than 0 (rank 0 reports for every rank)."""
+    settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
     shape = load_config(args.config)
     degree = args.tensor_parallel
     check_tensor_parallel(shape, degree)
@@ -262,6 +271,8 @@ def measure_command_result(args) -> "dict | None":
                    device=args.device or "cuda:0", seed=args.seed)
     note = check_positions(shape, args)
     output = Path(args.output)
+    if args.allocator_conf is not None:
+        put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     if degree > 1:
         command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
         document = measure_model_parallel(shape, spec, command, output)

@@ -4,6 +4,7 @@ lab_helpers.real.budget."""
 import sys
 from dataclasses import replace
 
+from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import usable_memory
@@ -162,7 +163,8 @@ def _largest(fits, high: int) -> tuple:
 
 
 def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
-        batch=None, context=None, progress=None, tensor_parallel: int = 1) -> dict:
+        batch=None, context=None, progress=None, tensor_parallel: int = 1,
+        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`.
 
     At tensor parallel N the budget is one GPU's (what one rank may reserve) and the search runs
@@ -177,13 +179,13 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
                    decode_record_every=new_tokens, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, tensor_parallel)
     if tensor_parallel == 1:
-        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None)
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None, allocator)
     with fake_process_group(0, tensor_parallel) as mesh:
-        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh)
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh, allocator)
 
 
 def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_source: str, batch, context,
-                progress, mesh) -> dict:
+                progress, mesh, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     dtype, new_tokens, degree = base.dtype, base.new_tokens, base.tensor_parallel
     local = replace(shape, kv_heads=shape.kv_heads // degree)  # one rank's key/value heads
     context_limit = MAX_MODEL_CONTEXT - new_tokens
@@ -196,7 +198,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     cache, predictions = {}, []
     limit = prediction_limit(new_tokens)
     try:
-        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh)
+        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh, allocator)
     except OutOfMemory:
         loaded = None  # the weights alone do not fit
 
@@ -226,7 +228,12 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
         "criterion": ("the run fits when the replayed allocator never needs more than the budget, "
                       "after releasing its wholly free cached segments as PyTorch does before an "
                       "out-of-memory error; peak reserved is then at most the budget"),
+        "allocator_conf": allocator.conf_text(),
     }
+    if allocator.expandable_segments:
+        result["criterion"] = ("the run fits when the replayed allocator (expandable_segments:True) never needs "
+                               "pages beyond the budget, after unmapping every whole free page as PyTorch does "
+                               "before an out-of-memory error; peak reserved is then at most the budget")
     if batch is not None and context is not None:
         point = ({"fits": False} if loaded is None else
                  _fits(shape, replace(base, batch=batch, context=context), budget_bytes, loaded))

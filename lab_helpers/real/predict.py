@@ -7,8 +7,10 @@ parallel N every rank in turn under torch's fake process-group backend.
 import contextlib
 from dataclasses import replace
 
-from lab_helpers.allocator.budget import UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
+from lab_helpers.allocator.budget import BudgetMixin, UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
+from lab_helpers.allocator.expandable import CappedExpandableAllocator, ExpandableAllocator
 from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.measurement.schema import SCHEMA_VERSION
@@ -22,19 +24,44 @@ REAL_MODEL_ASSUMPTIONS = (
     "a fresh process; default allocator settings (no PYTORCH_CUDA_ALLOC_CONF); the library's default "
     "attention (SDPA) and cache (DynamicCache); free blocks of equal size taken in the order their "
     "segments were made; reserved without a cache flush unless a capacity is given")
+EXPANDABLE_ASSUMPTIONS = (
+    "a fresh process; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and no other setting (one segment per "
+    "pool, grown at its end in 2 MiB pages for requests up to 1 MiB and 20 MiB pages above); the library's "
+    "default attention (SDPA) and cache (DynamicCache); reserved without a release of free pages unless a "
+    "capacity is given")
+
+
+def replay_allocator_for(settings: AllocatorSettings, capacity_bytes=None):
+    """The replayed allocator of a real-model prediction under `settings`, capped at `capacity_bytes`
+    (what it may reserve) when one is given."""
+    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
+    if settings.expandable_segments:
+        # segments grow in place: no address to choose, so no AddressedAllocator counterpart
+        return ExpandableAllocator() if capacity_bytes is None else CappedExpandableAllocator(capacity_bytes,
+                                                                                               OutOfMemory)
+    return AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
+
+
+def set_budget(alloc, budget_bytes) -> None:
+    """The budget of the next phase: BudgetMixin's, or the expandable model's own capacity."""
+    if isinstance(alloc, BudgetMixin):
+        alloc.budget_bytes = budget_bytes
+    elif budget_bytes is not None and hasattr(alloc, "capacity_bytes"):
+        alloc.capacity_bytes = budget_bytes
 
 
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
-                        mesh=None) -> dict:
+                        mesh=None, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """Trace the model_load phase once; predictions of other sizes start from a copy of it.
 
     At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay alive
     while the loaded model is used (its forward hooks call the mesh's process group)."""
     import torch
 
-    from lab_helpers.real.tracer import AllocationTracer, CappedAllocator
-    tracer = AllocationTracer(CappedAllocator(capacity_bytes))
-    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh}
+    from lab_helpers.real.tracer import AllocationTracer
+    tracer = AllocationTracer(replay_allocator_for(allocator, capacity_bytes))
+    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh,
+              "allocator_settings": allocator}
 
     def phase(name, action, index, recorded):
         with tracer, _named_failure(name, index):
@@ -87,8 +114,8 @@ def fake_process_group(rank: int, world_size: int):
 
 
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
-                  tensor_parallel: "int | None" = None, phase_budget=None, budget_source=None,
-                  report_out_of_memory: bool = False) -> dict:
+                  tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None,
+                  phase_budget=None, budget_source=None, report_out_of_memory: bool = False) -> dict:
     """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
 
     At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
@@ -102,19 +129,22 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     Under a budget the allocator's release-and-retry is replayed (lab_helpers.allocator.budget);
     when it still runs out, OutOfMemory is raised, or with `report_out_of_memory` the document ends
     at the failing phase and holds "out_of_memory" (the phase, the request, reserved and allocated
-    then, the budget). `budget_source` says where the budget came from, in the document."""
+    then, the budget). `budget_source` says where the budget came from, in the document.
+    `allocator`: the allocator settings replayed (default: `loaded`'s, else PyTorch's defaults)."""
+    if allocator is None:
+        allocator = loaded.get("allocator_settings", DEFAULT_SETTINGS) if loaded is not None else DEFAULT_SETTINGS
     if tensor_parallel is not None:
         spec = replace(spec, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, spec.tensor_parallel)
     degree = spec.tensor_parallel
     options = {"phase_budget": phase_budget, "report": report_out_of_memory}
     if degree == 1 or loaded is not None:
-        one = _predict_rank(shape, spec, capacity_bytes, loaded, **options)
+        one = _predict_rank(shape, spec, capacity_bytes, loaded, allocator=allocator, **options)
     else:
         ranks = []
         for rank in range(degree):
             with fake_process_group(rank, degree) as mesh:
-                one = _predict_rank(shape, spec, capacity_bytes, None, mesh, rank=rank, **options)
+                one = _predict_rank(shape, spec, capacity_bytes, None, mesh, allocator, rank=rank, **options)
             ranks.append({"rank": rank, **{key: one.pop(key) for key in ("overall", "phases", "cache_releases",
                                                                        "out_of_memory") if key in one}})
         one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
@@ -136,8 +166,9 @@ def _budget_block(capacity_bytes, source, per_phase: bool) -> dict:
     return {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}
 
 
-def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None, rank: int = 0,
-                  phase_budget=None, report: bool = False) -> dict:
+def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None,
+                  allocator: AllocatorSettings = DEFAULT_SETTINGS, rank: int = 0, phase_budget=None,
+                  report: bool = False) -> dict:
     import copy
 
     import torch
@@ -146,9 +177,9 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
     from lab_helpers.real.tracer import AllocationTracer
     load_budget = phase_budget(rank, "model_load", None) if phase_budget else capacity_bytes
     if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != load_budget
-            or loaded["tensor_parallel"] != spec.tensor_parallel):
+            or loaded["tensor_parallel"] != spec.tensor_parallel or loaded.get("allocator_settings", DEFAULT_SETTINGS) != allocator):
         try:
-            loaded = load_for_prediction(shape, spec.dtype, load_budget, spec.tensor_parallel, mesh)
+            loaded = load_for_prediction(shape, spec.dtype, load_budget, spec.tensor_parallel, mesh, allocator)
         except OutOfMemory as exc:
             if not report:
                 raise
@@ -161,20 +192,20 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
     totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
               "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
     releases = [{"phase": "model_load", "index": None, "released_bytes": r, "reserved_bytes_after": after}
-                for r, after in alloc.releases]
+                for r, after in getattr(alloc, "releases", ())]
 
     def phase(name, action, index, recorded):
         tracer.collect()
-        alloc.budget_bytes = phase_budget(rank, name, index) if phase_budget else capacity_bytes
+        set_budget(alloc, phase_budget(rank, name, index) if phase_budget else capacity_bytes)
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
-        seen = len(alloc.releases)
+        seen = len(getattr(alloc, "releases", ()))
         alloc.reset_peaks()
         try:
             with tracer, _named_failure(name, index):
                 action()
         finally:
             releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
-                            for r, after in alloc.releases[seen:])
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         tracer.collect()
         totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
         totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
@@ -204,12 +235,14 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
         "configuration": run_configuration(spec),
         "model": model_description(shape, spec.dtype),
         "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
-        "assumptions": REAL_MODEL_ASSUMPTIONS,
+        "assumptions": EXPANDABLE_ASSUMPTIONS if allocator.expandable_segments else REAL_MODEL_ASSUMPTIONS,
         "overall": totals,
         "phases": phases,
     }
     if phase_budget is not None or capacity_bytes is not None:  # without a budget nothing is released
         prediction["cache_releases"] = releases
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        prediction["allocator_conf"] = allocator.conf_text()
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
     _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
@@ -323,11 +356,13 @@ def compare_model(measurement: dict) -> dict:
             raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
     budgets = [measured_budgets(measured) for _, measured in measured_ranks]
     bounded = all(b is not None for b in budgets)
+    # replayed under the allocator settings the measuring process ran with (its environment block)
+    allocator = recorded_settings(measurement.get("environment"))
     if bounded:
-        prediction = predict_model(shape, spec, phase_budget=budget_by_phase(budgets, spec), report_out_of_memory=True,
-                                   budget_source=MEASURED_BUDGET_SOURCE)
+        prediction = predict_model(shape, spec, allocator=allocator, phase_budget=budget_by_phase(budgets, spec),
+                                   report_out_of_memory=True, budget_source=MEASURED_BUDGET_SOURCE)
     else:
-        prediction = predict_model(shape, spec)
+        prediction = predict_model(shape, spec, allocator=allocator)
     predicted_ranks = ([prediction["phases"]] if spec.tensor_parallel == 1 else
                        [r["phases"] for r in prediction["ranks"]])
     rows = []
@@ -356,6 +391,7 @@ def compare_model(measurement: dict) -> dict:
         "config_name": spec.config_name,
         "budget": budget,
         "outcomes_agree": "out_of_memory" not in prediction,
+        "allocator_conf": allocator.conf_text(),
         "measured_on": {k: measured_env.get(k) for k in ("device_name", "torch_version", "cuda_build_version")},
         "measured_transformers_version": measurement["model"].get("transformers_version"),
         "predicted_transformers_version": prediction["model"]["transformers_version"],

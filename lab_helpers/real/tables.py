@@ -16,6 +16,8 @@ def model_prediction_table(result: dict) -> str:
     """predict_model's document: one row per phase (and rank), bytes at its end and at its peak."""
     head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
             f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
+    if result.get("allocator_conf"):  # present under expandable segments only
+        head += f"allocator: {result['allocator_conf']} (reserved grows in pages)\n"
     if "ranks" in result:
         head += f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)\n"
         rows = [{"rank": rank["rank"], **r, **r["bytes_at_end"]} for rank in result["ranks"] for r in rank["phases"]]
@@ -48,6 +50,8 @@ def out_of_memory_lines(oom) -> str:
         return ""
     where = oom["phase"] + ("" if oom.get("index") is None else f" {oom['index']}")
     rank = f"rank {oom['rank']}, " if "rank" in oom else ""
+    if "message" in oom:  # the expandable-segments model says it in words
+        return f"\nOUT OF MEMORY predicted in phase {rank}{where}: {oom['message']}"
     return (f"\nOUT OF MEMORY predicted in phase {rank}{where}: tried to allocate "
             f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
             f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
@@ -62,7 +66,10 @@ def model_comparison_table(result: dict) -> str:
         f"difference_{k}" for k in COUNTER_KEYS]
     budget = result.get("budget") or {}
     tail = f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
-    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}\n"
+    allocator = "" if result.get("allocator_conf", "expandable_segments:False") == "expandable_segments:False" else (
+        f"; replayed under {result['allocator_conf']}")
+    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}"
+            f"{allocator}\n"
             + _right_aligned_table(result["rows"], cols) + tail
             + out_of_memory_lines(budget.get("predicted_out_of_memory")))
 
@@ -74,6 +81,8 @@ def model_fit_table(result: dict) -> str:
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
     if "tensor_parallel" in result:
         lines.append(f"tensor parallel {result['tensor_parallel']}: the budget and every figure are one rank's")
+    if result.get("allocator_conf") == "expandable_segments:True":
+        lines.append("allocator: expandable_segments:True (pages mapped as segments grow)")
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
                      f"{'fits' if result['fits'] else 'does NOT fit'}"

@@ -15,6 +15,7 @@ from dataclasses import replace
 from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.allocator.history import DEFAULT_MAX_ENTRIES
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
+from lab_helpers.allocator.settings import ALLOCATOR_CONF_HELP, allocator_settings, put_in_force
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -119,6 +120,7 @@ def add_measure_arguments(p) -> None:
     p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
                    help="seed of the weights and inputs (default 0)")
     p.add_argument("--output", required=True, help="new JSON file to create; an existing file is never overwritten")
+    p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP + "; set before CUDA starts")
     p.add_argument("--failure-report", metavar="PATH",
                    help="on exit 3, write {kind, phase, reason: out_of_memory|cuda_error, message} "
                         "as JSON to this new file")
@@ -140,6 +142,7 @@ def add_predict_arguments(p) -> None:
                              f"{MAX_TENSOR_PARALLEL}; N must divide --hidden")
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
+    p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
     group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
     budget = group.add_mutually_exclusive_group()
     budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
@@ -241,11 +244,13 @@ def handle_environment(args) -> int:
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
     config = _config_from(args)  # checked before a budget is measured
+    settings = allocator_settings(args.allocator_conf)
     budget, source = synthetic_budget(args)
     if workspace is None:
-        result = predict(config, budget_bytes=budget, budget_source=source)
+        result = predict(config, allocator=settings, budget_bytes=budget, budget_source=source)
     else:
-        result = predict(config, workspace, "given on the command line", budget, source)
+        result = predict(config, workspace, "given on the command line", allocator=settings, budget_bytes=budget,
+                         budget_source=source)
     print_result(args, result, predict_table)
     return EXIT_PHASE if "out_of_memory" in result else EXIT_OK
 
@@ -260,7 +265,10 @@ def handle_compare(args) -> int:
 
 def handle_measure(args) -> int:
     config = _config_from(args)
+    settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
     check_new_output(args.output)
+    if args.allocator_conf is not None:
+        put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     try:
         if config.tensor_parallel is not None:
             result = measure_tensor_parallel_command(args, config)

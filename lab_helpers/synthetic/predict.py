@@ -3,7 +3,10 @@ import math
 
 from lab_helpers.allocator.budget import (BudgetedAllocatorModel, OutOfMemory, UNBOUNDED_NOTE, UNRECORDED_NOTE,
                                           measured_budgets)
+from lab_helpers.allocator.expandable import CappedExpandableAllocator
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
+from lab_helpers.allocator.settings import (DEFAULT_SETTINGS, AllocatorSettings, parse_allocator_conf, recorded_settings,
+                                            replay_allocator)
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MAX_TENSOR_PARALLEL, MEASUREMENT_SCHEMA,
@@ -21,16 +24,24 @@ RESERVED_ASSUMPTIONS = (
     "segments were made")
 
 
+EXPANDABLE_RESERVED_ASSUMPTIONS = (
+    "a fresh process, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (one segment per pool that grows "
+    "at its end in pages: 2 MiB for requests up to 1 MiB, 20 MiB for larger ones; no other setting), "
+    "enough free memory (no release of free pages and retry)")
+
+
 OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
     "not predicted: what NCCL holds outside PyTorch's allocator (its buffers and communicators) is "
     "measured per rank by measure, from the device's free memory")
 
 
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, budget_bytes=None, budget_source=None) -> dict:
-    """Predict allocated and reserved bytes per phase, from the allocator's rules alone. Each phase
-    also has ``end_allocated_bytes_by_kind``: its end allocated bytes split into ALLOCATION_KINDS.
-    At tensor parallel N the document holds ``ranks`` (each rank's phases) instead of ``phases``.
+            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS,
+            budget_bytes=None, budget_source=None) -> dict:
+    """Predict allocated and reserved bytes per phase, from the allocator's rules alone (under the
+    `allocator` settings). Each phase also has ``end_allocated_bytes_by_kind``: its end allocated
+    bytes split into ALLOCATION_KINDS. At tensor parallel N the document holds ``ranks`` (each
+    rank's phases) instead of ``phases``.
 
     With `budget_bytes` (what one GPU's reserved may reach), the allocator's release of its free
     cached segments and retry is replayed (lab_helpers.allocator.budget); a run that still runs out
@@ -43,12 +54,14 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "configuration": config.record(),
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
-        "reserved_assumptions": RESERVED_ASSUMPTIONS,
+        "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
         "budget": ({"bytes": budget_bytes, "source": budget_source or "given"} if budget_bytes is not None else
                    {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}),
     }
+    if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
+        document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
-        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes)
+        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes, allocator)
         document["phases"] = replay["phases"]
         document.update({k: replay[k] for k in ("cache_releases", "out_of_memory") if k in replay})
         return document
@@ -58,7 +71,7 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     # replay is computed, not copied, with the same sizes.
     document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
     document["ranks"] = [{"rank": rank, **replay_under_budget(config, workspace_bytes, config.shard_hidden,
-                                                              budget_bytes)}
+                                                              budget_bytes, allocator)}
                          for rank in range(config.tensor_parallel)]
     failed = [{"rank": r["rank"], **r["out_of_memory"]} for r in document["ranks"] if "out_of_memory" in r]
     if failed:
@@ -66,21 +79,29 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
     return document
 
 
-def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int) -> list:
+def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
+                   allocator: AllocatorSettings = DEFAULT_SETTINGS) -> list:
     """The phases of one process holding `hidden` features of the first Linear (all of them on one
-    GPU, hidden / N on each of N ranks), replayed on AllocatorModel for an unbounded device."""
-    return replay_under_budget(config, workspace_bytes, hidden, None)["phases"]
+    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`, for an
+    unbounded device."""
+    return replay_under_budget(config, workspace_bytes, hidden, None, allocator)["phases"]
 
 
-def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget) -> dict:
-    """{"phases", "cache_releases"[, "out_of_memory"]} of one process holding `hidden` features of
-    the first Linear, replayed on the allocator model under `budget`: None (unbounded), bytes, or a
-    list of bytes, one per phase record (a measurement's, see measured_budgets). A predicted
-    out-of-memory ends the phases before the one that fails."""
+def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget,
+                        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+    """{"phases"[, "cache_releases", "out_of_memory"]} of one process holding `hidden` features of
+    the first Linear, replayed on the allocator model under `allocator` and `budget`: None
+    (unbounded), bytes, or a list of bytes, one per phase record (a measurement's, see
+    measured_budgets). A predicted out-of-memory ends the phases before the one that fails."""
     c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
-    alloc = BudgetedAllocatorModel()
+    if budget is None:
+        alloc = replay_allocator(allocator)
+    elif allocator.expandable_segments:  # its own capacity, set per phase below
+        alloc = CappedExpandableAllocator(None, OutOfMemory)
+    else:
+        alloc = BudgetedAllocatorModel()
     live = {}
     phases = []
     releases = []
@@ -98,10 +119,14 @@ def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: i
         alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
-        alloc.budget_bytes = budget[len(phases)] if isinstance(budget, list) else budget
+        phase_budget = budget[len(phases)] if isinstance(budget, list) else budget
+        if isinstance(alloc, BudgetedAllocatorModel):
+            alloc.budget_bytes = phase_budget
+        elif phase_budget is not None:  # the expandable-segments model's own capacity
+            alloc.capacity_bytes = phase_budget
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        seen = len(alloc.releases)
+        seen = len(getattr(alloc, "releases", ()))
         try:
             action()
         except OutOfMemory as exc:
@@ -109,7 +134,7 @@ def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: i
             raise
         finally:
             releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
-                            for r, after in alloc.releases[seen:])
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         phases.append({
             "phase": name, "index": index, "passes": passes,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
@@ -209,10 +234,14 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     else:
         workspace = {"bytes": list(workspace_bytes), "source": "given on the command line"}
     _check_workspace(workspace["bytes"])
+    # the measurement is replayed under the settings its process ran with (its environment block)
+    allocator = recorded_settings(measurement.get("environment"))
+    if "environment" not in measurement and "allocator_conf" in measurement:  # a prediction's own setting
+        allocator = parse_allocator_conf(measurement["allocator_conf"], "$.allocator_conf")
     if not parallel:
-        return {"workspace": workspace,
+        return {"workspace": workspace, "allocator_conf": allocator.conf_text(),
                 **_compare_phases(config, measurement["phases"], tuple(workspace["bytes"]),
-                                  config.hidden_features, "$.phases")}
+                                  config.hidden_features, "$.phases", allocator)}
     ranks = measurement["ranks"]
     if len(ranks) != config.tensor_parallel:
         raise LabError(f"$.ranks: {len(ranks)} ranks, but tensor_parallel is {config.tensor_parallel}")
@@ -221,10 +250,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
         if rank["rank"] != i:
             raise LabError(f"$.ranks[{i}].rank: {rank['rank']}, but ranks are listed in order from 0")
         compared = _compare_phases(config, rank["phases"], tuple(workspace["bytes"]), config.shard_hidden,
-                                   f"$.ranks[{i}].phases")
+                                   f"$.ranks[{i}].phases", allocator)
         results.append({"rank": i, "device": rank.get("device"), "outside_allocator": rank.get("outside_allocator"),
                         **compared})
-    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace,
+    return {"tensor_parallel": config.tensor_parallel, "workspace": workspace, "allocator_conf": allocator.conf_text(),
             "allocated_exact": all(r["allocated_exact"] for r in results), "ranks": results}
 
 
@@ -235,9 +264,10 @@ def _check_workspace(workspace_bytes) -> None:
         parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
 
 
-def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str) -> dict:
+def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,
+                    allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
-    bare = _replay_phases(config, (), hidden)
+    bare = _replay_phases(config, (), hidden, allocator)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
         raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
@@ -248,7 +278,7 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
                            f"writes phase {want[0]!r} index {want[1]!r} there")
     # under the budget the measured device gave each phase (older files: unbounded, and said so)
     budgets = measured_budgets(measured)
-    replay = replay_under_budget(config, workspace_bytes, hidden, budgets)
+    replay = replay_under_budget(config, workspace_bytes, hidden, budgets, allocator)
     predicted = replay["phases"]
     cold = PHASES.index("cold_forward")
     detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]

@@ -64,6 +64,8 @@ def synthetic_budget_line(budget: dict) -> str:
 
 def synthetic_out_of_memory_line(oom: dict) -> str:
     rank = f"rank {oom['rank']}, " if "rank" in oom else ""
+    if "message" in oom:  # the expandable-segments model says it in words
+        return f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: {oom['message']}"
     return (f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: tried to allocate "
             f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
             f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
