@@ -22,6 +22,7 @@ import re
 import stat
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -133,6 +134,139 @@ class AllocatorModel:
     def reset_peaks(self) -> None:
         """Restart the peaks from the current values, as reset_peak_memory_stats does."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+# ---- from lab_helpers/allocator/budget.py: The caching allocator on a device of bounded memory: release-and-retry, then out of memory.
+MAX_MEMORY_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
+
+
+class OutOfMemory(Exception):
+    """The replayed allocator could not get a new segment within its budget, even after releasing
+    its wholly free cached segments. Every figure is in bytes, taken at the failing request, after
+    the release; `phase` and `index` are set by the code that runs the phases."""
+
+    def __init__(self, request_bytes=None, block_bytes=None, segment_bytes=None, reserved_bytes=None,
+                 allocated_bytes=None, budget_bytes=None, released_bytes=None):
+        if isinstance(request_bytes, str):  # a message alone (the expandable-segments model raises it so)
+            super().__init__(request_bytes)
+            request_bytes = None
+        else:
+            super().__init__(f"{segment_bytes} more bytes needed with {reserved_bytes} reserved of {budget_bytes}")
+        self.request_bytes = request_bytes
+        self.block_bytes = block_bytes
+        self.segment_bytes = segment_bytes
+        self.reserved_bytes = reserved_bytes
+        self.allocated_bytes = allocated_bytes
+        self.budget_bytes = budget_bytes
+        self.released_bytes = released_bytes
+        self.phase = None
+        self.index = None
+
+    def report(self) -> dict:
+        """The out-of-memory outcome as a document's block (a message alone: the figures it gives)."""
+        if self.request_bytes is None:
+            return {"phase": self.phase, "index": self.index, "message": str(self)}
+        return {
+            "phase": self.phase, "index": self.index,
+            "request_bytes": self.request_bytes,  # as the code asked
+            "block_bytes": self.block_bytes,  # rounded to 512 bytes
+            "segment_bytes": self.segment_bytes,  # the cudaMalloc that failed ("Tried to allocate")
+            "reserved_bytes": self.reserved_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_but_unallocated_bytes": self.reserved_bytes - self.allocated_bytes,
+            "budget_bytes": self.budget_bytes,
+            "free_under_budget_bytes": self.budget_bytes - self.reserved_bytes,
+            "released_before_failing_bytes": self.released_bytes,
+        }
+
+
+class BudgetMixin:
+    """Put before an allocator class (`class X(BudgetMixin, SomeAllocator)`): its malloc then fails
+    as a device of `budget_bytes` would (None: unbounded, the default).
+
+    It needs of the allocator `reserved`, `allocated` and `malloc`; `device_growth` and
+    `release_cached` below read AllocatorModel's pools and segments, and an allocator with another
+    layout (expandable segments) overrides those two. `budget_bytes` may change between phases (the
+    free memory a measurement recorded per phase). `releases` lists every release whose retry
+    succeeded: (bytes released, reserved after the release); a failed one is the OutOfMemory."""
+
+    budget_bytes = None
+    releases = ()
+
+    def device_growth(self, request_bytes: int) -> int:
+        """Bytes of device memory (cudaMalloc) that serving this request needs now: 0 when a cached
+        free block of its pool is large enough, else the new segment's size."""
+        size = self.round_size(request_bytes)
+        if any(b.size >= size for b in self.free_blocks[size <= SMALL_REQUEST_MAX_BYTES]):
+            return 0
+        return self.segment_size(size)
+
+    def release_cached(self) -> int:
+        """Return every wholly free segment to the device (cudaFree); the bytes released."""
+        released = 0
+        for pool in self.free_blocks.values():
+            for block in [b for b in pool if len(b.segment) == 1]:
+                pool.remove(block)
+                self.reserved -= block.size
+                released += block.size
+                self.segment_released(block)
+        return released
+
+    def segment_released(self, block) -> None:
+        """Called for each segment release_cached gives back (an address model keeps the range)."""
+
+    def malloc(self, request_bytes: int):
+        budget = self.budget_bytes
+        if budget is not None:
+            growth = self.device_growth(request_bytes)
+            if growth and self.reserved + growth > budget:
+                released = self.release_cached()
+                growth = self.device_growth(request_bytes)
+                if growth and self.reserved + growth > budget:
+                    raise OutOfMemory(request_bytes, self.round_size(request_bytes), growth, self.reserved,
+                                      self.allocated, budget, released)
+                self.releases = [*self.releases, (released, self.reserved)]  # rare: a new list is cheap
+        return super().malloc(request_bytes)
+
+
+class BudgetedAllocatorModel(BudgetMixin, AllocatorModel):
+    """AllocatorModel on a device where its reserved bytes may reach `budget_bytes` (None: unbounded)."""
+
+    def __init__(self, budget_bytes=None):
+        super().__init__()
+        self.budget_bytes = budget_bytes
+
+
+def measured_budgets(records: list) -> "list | None":
+    """The budget each measured phase ran under, from its record (None when a record lacks the
+    device's free bytes: a file written before they were recorded).
+
+    A segment's cudaMalloc fails once it exceeds the device's free bytes. Free + reserved is the
+    same before and after any cudaMalloc or cudaFree of the allocator, so it changes only when
+    memory appears (or goes) outside the allocator: the CUDA context and torch's own set-up before
+    the first phase, then, in the phases, cuBLAS/cuBLASLt handles at the first matrix product, the
+    cuDNN handle at the first cuDNN attention, every kernel module loaded lazily at its first launch,
+    NCCL's buffers. The budget of a phase is the smaller of free + reserved at its start and at its
+    end: what the allocator could reach, less everything outside it that had appeared by the end
+    of the phase. Memory outside the allocator only grows during a run, so within a phase the true
+    figure is at least this one; most of it appears at a phase's first kernels (the first layer of
+    a forward), before the large requests that meet the limit."""
+    budgets = []
+    for record in records:
+        figures = [record.get(key) for key in ("baseline_device_free_bytes", "baseline_reserved_bytes",
+                                                 "end_device_free_bytes", "end_reserved_bytes")]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in figures):
+            return None
+        budgets.append(min(figures[0] + figures[1], figures[2] + figures[3]))
+    return budgets
+
+
+UNBOUNDED_NOTE = ("reserved is predicted for an unbounded device: no release of cached segments and no "
+                  "out-of-memory error are replayed")
+
+
+UNRECORDED_NOTE = ("the measurement did not record the device's free bytes (a file written before they were "
+                   "recorded), so no release of cached segments and no out-of-memory error are replayed")
 
 
 # ---- from lab_helpers/core/errors.py: Exit codes and the lab's one error type: a bad input or precondition is a LabError (one line, exit 2).
@@ -897,6 +1031,10 @@ MEASUREMENT_SCHEMA = {
                 "peak_reserved_bytes": _BYTES,
                 "achieved_tflops": {"type": "number", "exclusiveMinimum": 0},
                 "host_to_device_time_ratio": {"type": "number", "exclusiveMinimum": 0},
+                # the device's free bytes (torch.cuda.mem_get_info) before and after the phase: with
+                # reserved, the budget compare replays the allocator under (absent in older files)
+                "baseline_device_free_bytes": _BYTES,
+                "end_device_free_bytes": _BYTES,
                 # kind -> bytes (weights, inputs, workspace, activations, kv_cache...): a prediction's split
                 "end_allocated_bytes_by_kind": {"type": "object"},
             },
@@ -2188,6 +2326,11 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
     torch.cuda.synchronize(device)
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
+    # What the allocator faces: a new segment's cudaMalloc fails past the device's free bytes, so
+    # the replay's budget is free + reserved, less what appears outside the allocator later
+    # (lab_helpers.allocator.budget, device_budgets). Read before and after every phase: the
+    # first matrix product, cuDNN attention and lazily loaded kernels take memory outside it.
+    baseline_free = int(torch.cuda.mem_get_info(device)[0])
     torch.cuda.reset_peak_memory_stats(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_us = now_us()
@@ -2208,6 +2351,7 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
     if history is not None:
         history.mark(name, index, start_us, now_us())
     stats = torch.cuda.memory_stats(device)
+    end_free = int(torch.cuda.mem_get_info(device)[0])
     record = {
         "phase": name, "index": index, "passes": passes,
         "seconds": seconds, "device_seconds": device_seconds,
@@ -2217,6 +2361,8 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
         "end_reserved_bytes": stats["reserved_bytes.all.current"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+        "baseline_device_free_bytes": baseline_free,
+        "end_device_free_bytes": end_free,
     }
     return record, result
 
@@ -2936,8 +3082,9 @@ ALLOCATION_KINDS = ("weights", "inputs", "workspace", "activations")
 
 RESERVED_ASSUMPTIONS = (
     "a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no "
-    "expandable_segments, no max_split_size_mb), enough free memory (no cache flush and "
-    "retry), and free blocks of equal size taken in the order their segments were made")
+    "expandable_segments, no max_split_size_mb), free memory as the budget says (without one, "
+    "unbounded: no cache flush and retry), and free blocks of equal size taken in the order their "
+    "segments were made")
 
 
 EXPANDABLE_RESERVED_ASSUMPTIONS = (
@@ -2952,11 +3099,16 @@ OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
 
 
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS,
+            budget_bytes=None, budget_source=None) -> dict:
     """Predict allocated and reserved bytes per phase, from the allocator's rules alone (under the
     `allocator` settings). Each phase also has ``end_allocated_bytes_by_kind``: its end allocated
     bytes split into ALLOCATION_KINDS. At tensor parallel N the document holds ``ranks`` (each
-    rank's phases) instead of ``phases``."""
+    rank's phases) instead of ``phases``.
+
+    With `budget_bytes` (what one GPU's reserved may reach), the allocator's release of its free
+    cached segments and retry is replayed (lab_helpers.allocator.budget); a run that still runs out
+    ends at the failing phase, and the document holds ``out_of_memory``."""
     workspace_bytes = tuple(workspace_bytes)
     _check_workspace(workspace_bytes)
     document = {
@@ -2966,32 +3118,56 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
         "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
+        "budget": ({"bytes": budget_bytes, "source": budget_source or "given"} if budget_bytes is not None else
+                   {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}),
     }
     if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
         document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
-        document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features, allocator)
+        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes, allocator)
+        document["phases"] = replay["phases"]
+        document.update({k: replay[k] for k in ("cache_releases", "out_of_memory") if k in replay})
         return document
     # Every rank runs the same requests in the same order: its shard of hidden / N features (N
     # divides hidden, checked when the config was built), the whole input, output and second bias.
     # The all-reduce is in place and allocates nothing in the caching allocator, so each rank's
     # replay is computed, not copied, with the same sizes.
     document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
-    document["ranks"] = [{"rank": rank, "phases": _replay_phases(config, workspace_bytes, config.shard_hidden, allocator)}
+    document["ranks"] = [{"rank": rank, **replay_under_budget(config, workspace_bytes, config.shard_hidden,
+                                                              budget_bytes, allocator)}
                          for rank in range(config.tensor_parallel)]
+    failed = [{"rank": r["rank"], **r["out_of_memory"]} for r in document["ranks"] if "out_of_memory" in r]
+    if failed:
+        document["out_of_memory"] = failed[0]
     return document
 
 
 def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
                    allocator: AllocatorSettings = DEFAULT_SETTINGS) -> list:
     """The phases of one process holding `hidden` features of the first Linear (all of them on one
-    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`."""
+    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`, for an
+    unbounded device."""
+    return replay_under_budget(config, workspace_bytes, hidden, None, allocator)["phases"]
+
+
+def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget,
+                        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+    """{"phases"[, "cache_releases", "out_of_memory"]} of one process holding `hidden` features of
+    the first Linear, replayed on the allocator model under `allocator` and `budget`: None
+    (unbounded), bytes, or a list of bytes, one per phase record (a measurement's, see
+    measured_budgets). A predicted out-of-memory ends the phases before the one that fails."""
     c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
-    alloc = replay_allocator(allocator)
+    if budget is None:
+        alloc = replay_allocator(allocator)
+    elif allocator.expandable_segments:  # its own capacity, set per phase below
+        alloc = CappedExpandableAllocator(None, OutOfMemory)
+    else:
+        alloc = BudgetedAllocatorModel()
     live = {}
     phases = []
+    releases = []
     held = dict.fromkeys(ALLOCATION_KINDS, 0)  # allocated bytes per kind, as the allocator counts them
     kind_of = {}
 
@@ -3006,9 +3182,22 @@ def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
         alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
+        phase_budget = budget[len(phases)] if isinstance(budget, list) else budget
+        if isinstance(alloc, BudgetedAllocatorModel):
+            alloc.budget_bytes = phase_budget
+        elif phase_budget is not None:  # the expandable-segments model's own capacity
+            alloc.capacity_bytes = phase_budget
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        action()
+        seen = len(getattr(alloc, "releases", ()))
+        try:
+            action()
+        except OutOfMemory as exc:
+            exc.phase, exc.index = name, index
+            raise
+        finally:
+            releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         phases.append({
             "phase": name, "index": index, "passes": passes,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
@@ -3040,15 +3229,19 @@ def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
         for _ in range(c.warmup):
             free(forward())
 
-    phase("model_load", load_model)
-    phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
-    phase("cold_forward", measured_forward, passes=1)
-    free(live.pop("output"))
-    phase("warmup", warmup, passes=c.warmup)
-    for repeat in range(c.repeats):
-        phase("warm_forward", measured_forward, index=repeat, passes=1)
+    try:
+        phase("model_load", load_model)
+        phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
+        phase("cold_forward", measured_forward, passes=1)
         free(live.pop("output"))
-    return phases
+        phase("warmup", warmup, passes=c.warmup)
+        for repeat in range(c.repeats):
+            phase("warm_forward", measured_forward, index=repeat, passes=1)
+            free(live.pop("output"))
+    except OutOfMemory as exc:
+        return {"phases": phases, "cache_releases": releases, "out_of_memory": exc.report()}
+    # without a budget nothing is ever released: the document keeps its earlier form
+    return {"phases": phases, "cache_releases": releases} if budget is not None else {"phases": phases}
 
 
 # What compare needs of a document: a synthetic configuration and phases with their counters (a
@@ -3138,7 +3331,6 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
                     allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
     bare = _replay_phases(config, (), hidden, allocator)
-    predicted = _replay_phases(config, workspace_bytes, hidden, allocator)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
         raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
@@ -3147,23 +3339,43 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
         if (got["phase"], got["index"]) != want:
             raise LabError(f"{where}[{i}]: phase {got['phase']!r} index {got['index']!r}, but measure "
                            f"writes phase {want[0]!r} index {want[1]!r} there")
+    # under the budget the measured device gave each phase (older files: unbounded, and said so)
+    budgets = measured_budgets(measured)
+    replay = replay_under_budget(config, workspace_bytes, hidden, budgets, allocator)
+    predicted = replay["phases"]
     cold = PHASES.index("cold_forward")
     detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]
     rows = []
-    for got, want in zip(measured, predicted):
-        row = {"phase": got["phase"], "index": got["index"]}
+    for i, (got, want) in enumerate(zip(measured, predicted)):
+        row = {"phase": got["phase"], "index": got["index"], "budget_bytes": None if budgets is None else budgets[i]}
         for key in want:
             if key.endswith("_bytes"):
                 row[f"measured_{key}"] = got[key]
                 row[f"predicted_{key}"] = want[key]
                 row[f"difference_{key}"] = got[key] - want[key]
         rows.append(row)
-    allocated_keys = [k for k in rows[0] if k.startswith("difference_") and "allocated" in k]
+    allocated_keys = [k for k in COMPARED_KEYS if "allocated" in k]
+    budget = {"replayed_under": "an unbounded device" if budgets is None else "the measured budget of each phase",
+              "rule": UNRECORDED_NOTE if budgets is None else MEASURED_BUDGET_RULE}
+    if "out_of_memory" in replay:
+        budget["predicted_out_of_memory"] = replay["out_of_memory"]
     return {
+        "budget": budget,
+        "outcomes_agree": "out_of_memory" not in replay,
         "workspace_detected_bytes": detected,
-        "allocated_exact": all(row[k] == 0 for row in rows for k in allocated_keys),
+        "allocated_exact": "out_of_memory" not in replay and all(row[f"difference_{k}"] == 0 for row in rows
+                                                                 for k in allocated_keys),
         "rows": rows,
     }
+
+
+COMPARED_KEYS = tuple(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak") for counter in COUNTERS)
+
+
+MEASURED_BUDGET_RULE = (
+    "measured: per phase, the smaller of the device's free bytes plus reserved at the phase's start and at its "
+    "end (what the allocator could reach, less what appeared outside it: the CUDA context, cuBLAS/cuBLASLt "
+    "handles, lazily loaded kernels, NCCL)")
 
 
 MAX_WORKSPACE_BLOCKS = 16
@@ -3212,12 +3424,35 @@ def predict_table(result: dict) -> str:
     else:
         lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters))
                                          for p in result["phases"]]))
+    lines.append(synthetic_budget_line(result.get("budget") or {}))
+    for r in result.get("cache_releases", ()) if "ranks" not in result else ():
+        lines.append(f"release and retry in {_label(r)}: {format_bytes(r['released_bytes'])} of free cached "
+                     f"segments given back, reserved {format_bytes(r['reserved_bytes_after'])} after")
+    if result.get("out_of_memory"):
+        lines.append(synthetic_out_of_memory_line(result["out_of_memory"]))
     lines += ["each phase starts from the previous one's end",
               f"workspace: {workspace} bytes ({result['workspace']['source']})",
               f"reserved assumes: {result['reserved_assumptions']}"]
     if "outside_allocator" in result:
         lines.append(f"NCCL outside the allocator: {result['outside_allocator']}")
     return "\n".join(lines)
+
+
+def synthetic_budget_line(budget: dict) -> str:
+    if budget.get("bytes") is None:
+        return f"budget: none: {budget.get('note', 'reserved is predicted for an unbounded device')}"
+    return f"budget: {format_bytes(budget['bytes'])} ({budget['source']})"
+
+
+def synthetic_out_of_memory_line(oom: dict) -> str:
+    rank = f"rank {oom['rank']}, " if "rank" in oom else ""
+    if "message" in oom:  # the expandable-segments model says it in words
+        return f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: {oom['message']}"
+    return (f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: tried to allocate "
+            f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
+            f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
+            f"budget {format_bytes(oom['budget_bytes'])}, after releasing "
+            f"{format_bytes(oom['released_before_failing_bytes'])} of free cached segments")
 
 
 def compare_table(result: dict) -> str:
@@ -3247,8 +3482,12 @@ def _compare_rows_table(result: dict) -> str:
                      format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
                      f"{r['difference_peak_reserved_bytes']:+d}"))
     workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    budget = result.get("budget") or {}
+    oom = budget.get("predicted_out_of_memory")
     return "\n".join([
         text_table(header, rows),
+        f"replayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}",
+        *([synthetic_out_of_memory_line(oom) + " (the measured run completed)"] if oom else []),
         f"allocated exact (baseline, end and peak of every phase): {'yes' if result['allocated_exact'] else 'no'}",
         f"workspace predicted: {workspace} bytes ({result['workspace']['source']}); "
         f"detected from the cold forward: {result['workspace_detected_bytes']} bytes",
@@ -4335,6 +4574,15 @@ def add_measure_arguments(p) -> None:
     add_train_flags(p)
 
 
+SYNTHETIC_BUDGET_HELP = (
+    "the budget the run faces, what one GPU's reserved may reach: --memory-bytes N, or --device cuda:N (its "
+    "usable memory, measured now in a child process). Under a budget the caching allocator's release of its "
+    "free cached segments and retry is replayed, and a predicted out-of-memory error ends the prediction at "
+    "its phase: the output names the phase, the request, reserved and allocated then and the budget, and "
+    "predict exits 3 (as measure does on a GPU out-of-memory). Without one, reserved is predicted for an "
+    "unbounded device. (A rate card GPU's budget, --gpu, is real_model's: this file ships without the card.)")
+
+
 def add_predict_arguments(p) -> None:
     add_size_flags(p)
     _tensor_parallel_flag(p, "predict every rank of the network split over N GPUs (no GPU needed), 1 to "
@@ -4342,8 +4590,34 @@ def add_predict_arguments(p) -> None:
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
+    group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
+    budget = group.add_mutually_exclusive_group()
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
+                        help="the budget in bytes, 1 to 2^50")
+    # not `device`: the network's configuration has a device of its own (measure's)
+    budget.add_argument("--device", dest="budget_device", default=None, metavar="cuda:N",
+                        help="the GPU whose usable memory is measured now and is the budget")
     add_train_flags(p)
     _format_flag(p)
+
+
+def synthetic_budget(args) -> tuple:
+    """(bytes, source) of predict's budget flags, (None, None) without one."""
+    if args.memory_bytes:
+        return args.memory_bytes, "given with --memory-bytes"
+    device = args.budget_device
+    if device is None:
+        return None, None
+    index = parse_device(device)
+    torch = import_torch()
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        # the probe's own failure would name torch internals (a build without CUDA has no _cuda_setDevice)
+        raise LabError(f"no GPU visible as {device}: give --memory-bytes")
+    answer = usable_memory(index)
+    if not isinstance(answer["usable_memory_bytes"], int):
+        raise LabError(f"cannot measure the usable memory of {device} "
+                       f"({answer['usable_memory_unavailable_reason']}); give --memory-bytes")
+    return answer["usable_memory_bytes"], f"usable memory of {device}, measured now in a fresh child process"
 
 
 def add_compare_arguments(p) -> None:
@@ -4417,17 +4691,23 @@ def handle_environment(args) -> int:
 
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
+    config = _config_from(args)  # checked before a budget is measured
     settings = allocator_settings(args.allocator_conf)
     if args.task == "train":
         default_allocator_only(settings, "--task train")
+        if args.memory_bytes is not None or args.budget_device is not None:
+            raise LabError("--memory-bytes and --device (a budget) are not modelled with --task train: "
+                           "a training prediction is for an unbounded device")
         return predict_train_command(args, _config_from(args), workspace)
     refuse_train_flags(args)
+    budget, source = synthetic_budget(args)
     if workspace is None:
-        result = predict(_config_from(args), allocator=settings)
+        result = predict(config, allocator=settings, budget_bytes=budget, budget_source=source)
     else:
-        result = predict(_config_from(args), workspace, "given on the command line", allocator=settings)
+        result = predict(config, workspace, "given on the command line", allocator=settings, budget_bytes=budget,
+                         budget_source=source)
     print_result(args, result, predict_table)
-    return EXIT_OK
+    return EXIT_PHASE if "out_of_memory" in result else EXIT_OK
 
 
 def handle_compare(args) -> int:

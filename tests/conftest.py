@@ -127,8 +127,8 @@ def full_measurement(mm, config, shift=0):
     """A schema-valid measurement document whose counters are `config`'s prediction (a fixture:
     no GPU made it). `shift` bytes are added to the last record's peak allocated."""
     document = mm.predict(config)
-    for key in ("workspace", "reserved_assumptions"):
-        del document[key]
+    for key in ("workspace", "reserved_assumptions", "budget", "cache_releases"):  # a prediction's own
+        document.pop(key, None)
     document["kind"] = "iteragpu-lab measurement"
     document["environment"] = {
         "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",

@@ -134,8 +134,8 @@ def synthetic_measurement(conf):
     from lab_helpers.synthetic.network import MeasureConfig
     from lab_helpers.synthetic.predict import predict
     document = predict(MeasureConfig())
-    for key in ("workspace", "reserved_assumptions", "allocator_conf"):
-        del document[key]
+    for key in ("workspace", "reserved_assumptions", "allocator_conf", "budget"):  # a prediction's own
+        document.pop(key, None)
     document["kind"] = "iteragpu-lab measurement"
     document["environment"] = {
         "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",

@@ -323,11 +323,13 @@ inputs              0.13 MiB (136704 B)     0.13 MiB (136704 B)    2.00 MiB (209
 cold_forward     33.13 MiB (34743808 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
 warmup           33.13 MiB (34739712 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
 warm_forward #0  33.13 MiB (34743808 B)  33.16 MiB (34772480 B)  34.00 MiB (35651584 B)  34.00 MiB (35651584 B)
+budget: none: reserved is predicted for an unbounded device: no release of cached segments and no out-of-memory \
+error are replayed
 each phase starts from the previous one's end
 workspace: 33554432 + 1048576 bytes (measured default: torch 2.11.0+cu130 on NVIDIA H200 (compute capability 9.0))
 reserved assumes: a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no expandable_segments, \
-no max_split_size_mb), enough free memory (no cache flush and retry), and free blocks of equal size taken in the \
-order their segments were made
+no max_split_size_mb), free memory as the budget says (without one, unbounded: no cache flush and retry), and free \
+blocks of equal size taken in the order their segments were made
 """
 COMPARE_TABLE = """\
 phase            measured peak allocated               predicted  difference B  measured peak reserved\
@@ -342,6 +344,8 @@ warmup            33.16 MiB (34772480 B)  33.16 MiB (34772480 B)            +0  
   34.00 MiB (35651584 B)            +0
 warm_forward #0   33.16 MiB (34772992 B)  33.16 MiB (34772480 B)          +512  34.00 MiB (35651584 B)\
   34.00 MiB (35651584 B)            +0
+replayed under an unbounded device: the measurement did not record the device's free bytes (a file written before \
+they were recorded), so no release of cached segments and no out-of-memory error are replayed
 allocated exact (baseline, end and peak of every phase): no
 workspace predicted: 33554432 + 1048576 bytes (measured default: torch 2.11.0+cu130 on NVIDIA H200 (compute \
 capability 9.0)); detected from the cold forward: 34603008 bytes

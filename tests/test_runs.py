@@ -31,8 +31,8 @@ WARM_HOST_SECONDS = (0.75, 0.3, 0.2)
 def measurement(name: str) -> dict:
     """A measurement document: the prediction's counters plus set timings and environment."""
     document = predict(CONFIGS[name])
-    for key in ("workspace", "reserved_assumptions"):
-        del document[key]
+    for key in ("workspace", "reserved_assumptions", "budget", "cache_releases"):  # a prediction's own
+        document.pop(key, None)
     device_name, torch_version, cuda, capability = DEVICES[name]
     document["kind"] = "iteragpu-lab measurement"
     document["environment"] = {

@@ -402,8 +402,8 @@ def tp_measurement(mm, config, shift=None):
     """A schema-valid tensor-parallel measurement whose counters are `config`'s prediction (a
     fixture: no GPU made it); `shift` = (rank, record, bytes) added to that record's peak allocated."""
     document = mm.predict(config)
-    for key in ("workspace", "reserved_assumptions", "outside_allocator"):
-        del document[key]
+    for key in ("workspace", "reserved_assumptions", "outside_allocator", "budget"):  # a prediction's own
+        document.pop(key, None)
     document["kind"] = "iteragpu-lab measurement"
     document["configuration"]["device"] = "cuda:0"
     document["environment"] = {

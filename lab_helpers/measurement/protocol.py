@@ -45,6 +45,11 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
     torch.cuda.synchronize(device)
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
+    # What the allocator faces: a new segment's cudaMalloc fails past the device's free bytes, so
+    # the replay's budget is free + reserved, less what appears outside the allocator later
+    # (lab_helpers.allocator.budget, device_budgets). Read before and after every phase: the
+    # first matrix product, cuDNN attention and lazily loaded kernels take memory outside it.
+    baseline_free = int(torch.cuda.mem_get_info(device)[0])
     torch.cuda.reset_peak_memory_stats(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_us = now_us()
@@ -65,6 +70,7 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
     if history is not None:
         history.mark(name, index, start_us, now_us())
     stats = torch.cuda.memory_stats(device)
+    end_free = int(torch.cuda.mem_get_info(device)[0])
     record = {
         "phase": name, "index": index, "passes": passes,
         "seconds": seconds, "device_seconds": device_seconds,
@@ -74,5 +80,7 @@ def run_phase(torch, device, name, action, index=None, passes=0, history=None, f
         "end_reserved_bytes": stats["reserved_bytes.all.current"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+        "baseline_device_free_bytes": baseline_free,
+        "end_device_free_bytes": end_free,
     }
     return record, result

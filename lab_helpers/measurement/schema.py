@@ -235,6 +235,10 @@ MEASUREMENT_SCHEMA = {
                 "peak_reserved_bytes": _BYTES,
                 "achieved_tflops": {"type": "number", "exclusiveMinimum": 0},
                 "host_to_device_time_ratio": {"type": "number", "exclusiveMinimum": 0},
+                # the device's free bytes (torch.cuda.mem_get_info) before and after the phase: with
+                # reserved, the budget compare replays the allocator under (absent in older files)
+                "baseline_device_free_bytes": _BYTES,
+                "end_device_free_bytes": _BYTES,
                 # kind -> bytes (weights, inputs, workspace, activations, kv_cache...): a prediction's split
                 "end_allocated_bytes_by_kind": {"type": "object"},
             },

@@ -13,8 +13,10 @@ measured with the allocator's own counters, on PyTorch's meta device it is trace
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
+from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_settings, default_allocator_only,
                                             put_in_force, recorded_settings)
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
@@ -29,7 +31,7 @@ from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
 from lab_helpers.real.card_fit import card_fit, check_card_flags
 from lab_helpers.real.config import bundled_names, check_tensor_parallel, load_config
 from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
-from lab_helpers.real.fit import fit_model, gpu_budget_entry, usable_memory_bytes
+from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
 from lab_helpers.real.parallel import measure_model_parallel
 from lab_helpers.real.protocol import measure_model
@@ -83,12 +85,32 @@ BEYOND_HELP = ("predict even when --context plus --new-tokens exceeds the config
                "(the output then says so); refused without it")
 
 
+PREDICT_BUDGET_HELP = (
+    "the budget the run faces, what one GPU's (one rank's) reserved may reach: --memory-bytes N, --gpu MODEL_ID "
+    "(the rate card GPU's budget, as fit uses it) or --device cuda:N (its usable memory, measured now in a child "
+    "process). Under a budget the caching allocator's release of its free cached segments and retry is "
+    "replayed, and a predicted out-of-memory error ends the prediction at its phase: the output names the "
+    "phase, the request, reserved and allocated then and the budget, and predict exits 3 (as measure does on "
+    "a GPU out-of-memory). Without one, reserved is predicted for an unbounded device")
+
+
+def add_budget_flags(p) -> None:
+    group = p.add_argument_group("budget", textwrap.fill(PREDICT_BUDGET_HELP, 76, break_on_hyphens=False))
+    budget = group.add_mutually_exclusive_group()
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
+                        help="the budget in bytes, 1 to 2^50")
+    budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
+    budget.add_argument("--device", default=None, metavar="cuda:N",
+                        help="the GPU whose usable memory is measured now and is the budget")
+
+
 def add_predict_arguments(p) -> None:
     add_run_flags(p)
     add_model_train_flags(p)
     p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
                    help=EVERY_HELP)
+    add_budget_flags(p)
     _format_flag(p)
 
 
@@ -117,7 +139,7 @@ def add_fit_arguments(p) -> None:
     budget.add_argument("--gpu", metavar="MODEL_ID",
                         help="a model_id of the rate card data/tarifs-forfaits.csv: its budget by the rule fit --card "
                              "uses (measured on that GPU, else derived, not measured, from data/gpu-memory.json)")
-    budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N",
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
                         help="the budget in bytes: a whole number from 1 to 2^50")
     p.add_argument("--device", default=None, help="without --gpu, --memory-bytes or --card: the GPU whose usable memory "
                    "is measured (default cuda:0)")
@@ -159,21 +181,45 @@ def check_positions(shape, args) -> "str | None":
 def handle_predict(args) -> int:
     if args.task == "train":
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
+        if args.memory_bytes is not None or args.gpu is not None or args.device is not None:
+            raise LabError("--memory-bytes, --gpu and --device (a budget) are not modelled with predict --task "
+                           "train: a training prediction is for an unbounded device (fit --task train takes one)")
         return predict_train_model_command(args)
     refuse_model_train_flags(args)
     shape = load_config(args.config)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
     note = check_positions(shape, args)
+    check_tensor_parallel(shape, spec.tensor_parallel)  # before a budget is measured
     settings = allocator_settings(args.allocator_conf)
+    budget, source = predict_budget(args, spec.tensor_parallel)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
-    result = predict_model(shape, spec, allocator=settings)
+    result = predict_model(shape, spec, allocator=settings, capacity_bytes=budget, budget_source=source,
+                           report_out_of_memory=True)
     if note:
         result["beyond_positions"] = note
     print_model_result(args, result, model_prediction_table)
     if note and args.format == "table":
         print(f"note: {note}")
-    return EXIT_OK
+    return EXIT_PHASE if "out_of_memory" in result else EXIT_OK
+
+
+def predict_budget(args, degree: int) -> tuple:
+    """(bytes, source) of predict's budget flags, (None, None) without one."""
+    if args.gpu:
+        return gpu_budget(args.gpu, tensor_parallel=degree)
+    if args.memory_bytes:
+        return args.memory_bytes, "given with --memory-bytes"
+    if args.device is not None:
+        budget = usable_memory_bytes(args.device)
+        source = f"{MEASURED}: usable memory of {args.device}, measured now in a fresh child process"
+        if degree > 1:  # as fit does: the device's model is not known here, so NCCL's figure is a derived one
+            nccl = nccl_outside(None, degree)
+            budget -= nccl["nccl_outside_allocator_bytes"]
+            source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
+                       f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
+        return budget, source
+    return None, None
 
 
 def handle_compare(args) -> int:

@@ -7,6 +7,7 @@ parallel N every rank in turn under torch's fake process-group backend.
 import contextlib
 from dataclasses import replace
 
+from lab_helpers.allocator.budget import BudgetMixin, UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
 from lab_helpers.allocator.expandable import CappedExpandableAllocator, ExpandableAllocator
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
@@ -14,7 +15,7 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
 from lab_helpers.real.protocol import run_protocol
-from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, run_configuration
+from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps, run_configuration
 
 CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers 5.17.0 on an NVIDIA H200 "
                "(compute capability 9.0): cuBLAS and cuBLASLt workspaces, cuDNN attention, argmax staging")
@@ -40,6 +41,14 @@ def replay_allocator_for(settings: AllocatorSettings, capacity_bytes=None):
     return AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
 
 
+def set_budget(alloc, budget_bytes) -> None:
+    """The budget of the next phase: BudgetMixin's, or the expandable model's own capacity."""
+    if isinstance(alloc, BudgetMixin):
+        alloc.budget_bytes = budget_bytes
+    elif budget_bytes is not None and hasattr(alloc, "capacity_bytes"):
+        alloc.capacity_bytes = budget_bytes
+
+
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
                         mesh=None, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """Trace the model_load phase once; predictions of other sizes start from a copy of it.
@@ -54,7 +63,7 @@ def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tens
               "allocator_settings": allocator}
 
     def phase(name, action, index, recorded):
-        with tracer:
+        with tracer, _named_failure(name, index):
             loaded["model"] = action()
         tracer.collect(settled=True)
         alloc = tracer.allocator
@@ -75,6 +84,18 @@ def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tens
 
 
 @contextlib.contextmanager
+def _named_failure(name: str, index):
+    """An OutOfMemory raised inside names the phase it happened in."""
+    from lab_helpers.allocator.budget import OutOfMemory
+    try:
+        yield
+    except OutOfMemory as exc:
+        if exc.phase is None:
+            exc.phase, exc.index = name, index
+        raise
+
+
+@contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int):
     """This process as rank `rank` of `world_size` on torch's fake backend (collectives do
     nothing); yields the one-dimensional DeviceMesh the model is split over."""
@@ -92,56 +113,98 @@ def fake_process_group(rank: int, world_size: int):
 
 
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
-                  tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None) -> dict:
+                  tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None,
+                  phase_budget=None, budget_source=None, report_out_of_memory: bool = False) -> dict:
     """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
 
     At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
     turn under torch's fake process-group backend, and the document has a "ranks" list (each
     rank's "overall" and "phases") instead of "phases"; its "overall" is the worst rank's. With
     `loaded` at N > 1 (from load_for_prediction, whose fake group must still be open), only that
-    loaded rank is predicted, and returned as the document of one rank. `allocator`: the allocator
-    settings replayed (default: `loaded`'s, else PyTorch's defaults)."""
+    loaded rank is predicted, and returned as the document of one rank.
+
+    The budget: `capacity_bytes` (what one rank's reserved may reach, None: unbounded), or
+    `phase_budget(rank, phase, index)` giving it phase by phase (a measurement's, see compare_model).
+    Under a budget the allocator's release-and-retry is replayed (lab_helpers.allocator.budget);
+    when it still runs out, OutOfMemory is raised, or with `report_out_of_memory` the document ends
+    at the failing phase and holds "out_of_memory" (the phase, the request, reserved and allocated
+    then, the budget). `budget_source` says where the budget came from, in the document.
+    `allocator`: the allocator settings replayed (default: `loaded`'s, else PyTorch's defaults)."""
     if allocator is None:
         allocator = loaded.get("allocator_settings", DEFAULT_SETTINGS) if loaded is not None else DEFAULT_SETTINGS
     if tensor_parallel is not None:
         spec = replace(spec, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, spec.tensor_parallel)
     degree = spec.tensor_parallel
+    options = {"phase_budget": phase_budget, "report": report_out_of_memory}
     if degree == 1 or loaded is not None:
-        return _predict_rank(shape, spec, capacity_bytes, loaded, allocator=allocator)
-    ranks = []
-    for rank in range(degree):
-        with fake_process_group(rank, degree) as mesh:
-            one = _predict_rank(shape, spec, capacity_bytes, None, mesh, allocator)
-        ranks.append({"rank": rank, "overall": one.pop("overall"), "phases": one.pop("phases")})
-    one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
-                                                                           "peak_reserved_bytes")}
-    one["ranks"] = ranks
+        one = _predict_rank(shape, spec, capacity_bytes, loaded, allocator=allocator, **options)
+    else:
+        ranks = []
+        for rank in range(degree):
+            with fake_process_group(rank, degree) as mesh:
+                one = _predict_rank(shape, spec, capacity_bytes, None, mesh, allocator, rank=rank, **options)
+            ranks.append({"rank": rank, **{key: one.pop(key) for key in ("overall", "phases", "cache_releases",
+                                                                       "out_of_memory") if key in one}})
+        one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
+                                                                               "peak_reserved_bytes")}
+        one["ranks"] = ranks
+        failed = [{"rank": r["rank"], **r["out_of_memory"]} for r in ranks if "out_of_memory" in r]
+        if failed:
+            one["out_of_memory"] = failed[0]
+    one["budget"] = _budget_block(capacity_bytes, budget_source, phase_budget is not None)
     return one
 
 
+def _budget_block(capacity_bytes, source, per_phase: bool) -> dict:
+    """Where the budget came from, in the document; without one, that reserved is unbounded."""
+    if per_phase:
+        return {"bytes": None, "source": source or "given phase by phase"}
+    if capacity_bytes is not None:
+        return {"bytes": capacity_bytes, "source": source or "given"}
+    return {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}
+
+
 def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None,
-                  allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+                  allocator: AllocatorSettings = DEFAULT_SETTINGS, rank: int = 0, phase_budget=None,
+                  report: bool = False) -> dict:
     import copy
 
     import torch
 
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.tracer import AllocationTracer
-    if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes
+    load_budget = phase_budget(rank, "model_load", None) if phase_budget else capacity_bytes
+    if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != load_budget
             or loaded["tensor_parallel"] != spec.tensor_parallel or loaded.get("allocator_settings", DEFAULT_SETTINGS) != allocator):
-        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes, spec.tensor_parallel, mesh, allocator)
+        try:
+            loaded = load_for_prediction(shape, spec.dtype, load_budget, spec.tensor_parallel, mesh, allocator)
+        except OutOfMemory as exc:
+            if not report:
+                raise
+            return _out_of_memory_document(spec, shape, [], {"peak_allocated_bytes": exc.allocated_bytes,
+                                                             "peak_reserved_bytes": exc.reserved_bytes},
+                                           exc, [])
     tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
     alloc = tracer.allocator
     phases = [dict(loaded["record"])]
     totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
               "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
+    releases = [{"phase": "model_load", "index": None, "released_bytes": r, "reserved_bytes_after": after}
+                for r, after in getattr(alloc, "releases", ())]
 
     def phase(name, action, index, recorded):
         tracer.collect()
+        set_budget(alloc, phase_budget(rank, name, index) if phase_budget else capacity_bytes)
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        seen = len(getattr(alloc, "releases", ()))
         alloc.reset_peaks()
-        with tracer:
-            action()
+        try:
+            with tracer, _named_failure(name, index):
+                action()
+        finally:
+            releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         tracer.collect()
         totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
         totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
@@ -153,7 +216,18 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
                 "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
             })
 
-    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"], mesh=loaded["mesh"])
+    try:
+        run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"], mesh=loaded["mesh"])
+    except OutOfMemory as exc:
+        if not report:
+            raise
+        totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
+        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
+        document = _out_of_memory_document(spec, shape, phases, totals, exc, releases)
+        document["workspace"] = {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE}
+        _where_the_bytes_go(document, replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel), spec,
+                            loaded["weights_bytes"], tracer.workspace_bytes)
+        return document
     prediction = {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
@@ -164,12 +238,49 @@ def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh
         "overall": totals,
         "phases": phases,
     }
+    if phase_budget is not None or capacity_bytes is not None:  # without a budget nothing is released
+        prediction["cache_releases"] = releases
     if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
         prediction["allocator_conf"] = allocator.conf_text()
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
     _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
     return prediction
+
+
+MEASURED_BUDGET_SOURCE = (
+    "measured: per phase, the smaller of the device's free bytes plus reserved at the phase's start and at "
+    "its end (what the allocator could reach, less what appeared outside it: CUDA context, cuBLAS/cuBLASLt "
+    "and cuDNN handles, lazily loaded kernels, NCCL); an unrecorded decode step takes the next recorded one's")
+
+
+def budget_by_phase(budgets: list, spec: RunSpec):
+    """phase_budget(rank, phase, index) for predict_model from each rank's measured_budgets: an
+    unrecorded decode step runs under the budget of the next recorded step (read after it)."""
+    recorded = recorded_steps(spec.new_tokens, spec.decode_record_every)
+
+    def phase_budget(rank, name, index):
+        of_rank = budgets[rank]
+        if name != "decode":
+            return of_rank[("model_load", "inputs", "prefill").index(name)]
+        step = next(s for s in recorded if s >= index)
+        return of_rank[3 + recorded.index(step)]
+    return phase_budget
+
+
+def _out_of_memory_document(spec: RunSpec, shape: ModelShape, phases: list, totals: dict, exc, releases) -> dict:
+    """The prediction of a run that runs out of memory: the phases completed before it, then where it failed."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "iteragpu-lab prediction",
+        "configuration": run_configuration(spec),
+        "model": model_description(shape, spec.dtype),
+        "assumptions": REAL_MODEL_ASSUMPTIONS,
+        "overall": totals,
+        "phases": phases,
+        "cache_releases": releases,
+        "out_of_memory": exc.report(),
+    }
 
 
 def _kv_cache_bytes(shape: ModelShape, batch: int, positions: int, dtype: str, last_update: int = 1) -> int:
@@ -239,19 +350,29 @@ def compare_model(measurement: dict) -> dict:
             [[m[k] for k in COUNTER_KEYS] for m in measured]
     except (KeyError, TypeError, ValueError) as exc:
         raise LabError(f"not a transformers measurement document ({type(exc).__name__}: {exc})") from None
+    expected = [("model_load", None), ("inputs", None), ("prefill", None),
+                *(("decode", step) for step in recorded_steps(spec.new_tokens, spec.decode_record_every))]
+    for _, measured in measured_ranks:
+        if [(m["phase"], m["index"]) for m in measured] != expected:
+            raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
+    budgets = [measured_budgets(measured) for _, measured in measured_ranks]
+    bounded = all(b is not None for b in budgets)
     # replayed under the allocator settings the measuring process ran with (its environment block)
     allocator = recorded_settings(measurement.get("environment"))
-    prediction = predict_model(shape, spec, allocator=allocator)
+    if bounded:
+        prediction = predict_model(shape, spec, allocator=allocator, phase_budget=budget_by_phase(budgets, spec),
+                                   report_out_of_memory=True, budget_source=MEASURED_BUDGET_SOURCE)
+    else:
+        prediction = predict_model(shape, spec, allocator=allocator)
     predicted_ranks = ([prediction["phases"]] if spec.tensor_parallel == 1 else
                        [r["phases"] for r in prediction["ranks"]])
     rows = []
-    for (rank, measured), predicted in zip(measured_ranks, predicted_ranks):
-        if [(m["phase"], m["index"]) for m in measured] != [(p["phase"], p["index"]) for p in predicted]:
-            raise LabError("the measurement's phases differ from the prediction's: not the same protocol")
-        for got, want in zip(measured, predicted):
+    for i, ((rank, measured), predicted) in enumerate(zip(measured_ranks, predicted_ranks)):
+        for j, (got, want) in enumerate(zip(measured, predicted)):
             row = {"phase": got["phase"], "index": got["index"]}
             if rank is not None:
                 row = {"rank": rank, **row}
+            row["budget_bytes"] = budgets[i][j] if bounded else None
             for key in COUNTER_KEYS:
                 row[f"measured_{key}"] = got[key]
                 row[f"predicted_{key}"] = want[key]
@@ -263,8 +384,14 @@ def compare_model(measurement: dict) -> dict:
                     if r[f"measured_{counter}"]), default=0.0)
 
     measured_env = measurement.get("environment") or {}
+    budget = {"replayed_under": "the measured budget of each phase" if bounded else "an unbounded device",
+              "rule": MEASURED_BUDGET_SOURCE if bounded else UNRECORDED_NOTE}
+    if "out_of_memory" in prediction:
+        budget["predicted_out_of_memory"] = prediction["out_of_memory"]
     return {
         "config_name": spec.config_name,
+        "budget": budget,
+        "outcomes_agree": "out_of_memory" not in prediction,
         "allocator_conf": allocator.conf_text(),
         "measured_on": {k: measured_env.get(k) for k in ("device_name", "torch_version", "cuda_build_version")},
         "measured_transformers_version": measurement["model"].get("transformers_version"),

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lab_helpers.allocator.budget import BudgetMixin, OutOfMemory
 from lab_helpers.allocator.model import AllocatorModel, LARGE_SEGMENT_BYTES
 from lab_helpers.core.numbers import MIB
 
@@ -376,35 +377,20 @@ class AddressedAllocator(AllocatorModel):
         self.holes.append((start, end - start))
 
 
-class OutOfMemory(Exception):
-    """The replayed allocator could not get a new segment within its capacity."""
+class CappedAllocator(BudgetMixin, AddressedAllocator):
+    """AddressedAllocator on a device where reserved may reach `capacity_bytes` (None: unbounded):
+    lab_helpers.allocator.budget's release-and-retry, then OutOfMemory. The budget may change
+    between phases (`budget_bytes`)."""
 
+    error = OutOfMemory  # what malloc raises past the budget; fit and the tests import it from here
 
-class CappedAllocator(AddressedAllocator):
-    """AllocatorModel on a device of `capacity_bytes`: when a new segment does not fit, it
-    first releases every cached segment that is wholly free (as the caching allocator does
-    before reporting out of memory, under default settings), then gives up."""
-
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes=None):
         super().__init__()
-        self.capacity_bytes = capacity_bytes
+        self.budget_bytes = capacity_bytes
 
-    def malloc(self, request_bytes: int):
-        size = self.round_size(request_bytes)
-        small = size <= 2**20
-        if not any(b.size >= size for b in self.free_blocks[small]):
-            segment = self.segment_size(size)
-            if self.reserved + segment > self.capacity_bytes:
-                self.release_cached()
-                if self.reserved + segment > self.capacity_bytes:
-                    raise OutOfMemory(f"{segment} more bytes needed with {self.reserved} reserved "
-                                      f"of {self.capacity_bytes}")
-        return super().malloc(request_bytes)
+    @property
+    def capacity_bytes(self):
+        return self.budget_bytes
 
-    def release_cached(self) -> None:
-        """Return every wholly free segment to the device (cudaFree), as empty_cache does."""
-        for small, pool in self.free_blocks.items():
-            for block in [b for b in pool if len(b.segment) == 1]:
-                pool.remove(block)
-                self.reserved -= block.size
-                self.give_back(block)
+    def segment_released(self, block) -> None:
+        self.give_back(block)

@@ -9,8 +9,10 @@ estimate|environment|measure|predict|compare ...``) or as
 import argparse
 import json
 import sys
+import textwrap
 from dataclasses import replace
 
+from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.allocator.history import DEFAULT_MAX_ENTRIES
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_settings, default_allocator_only,
@@ -18,13 +20,13 @@ from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_setti
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_FAILURE, EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
-from lab_helpers.core.numbers import DTYPE_BYTES, MAX_BITS, decimal_number, whole_number
+from lab_helpers.core.numbers import DTYPE_BYTES, MAX_BITS, decimal_number, parse_device, whole_number
 from lab_helpers.launch.torchrun import (hold_launcher_stop, keep_own_exit_code, launch_info,
                                          wait_for_every_rank)
 from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED,
                                             MAX_TENSOR_PARALLEL, MAX_WIDTH, read_measurement)
-from lab_helpers.measurement.environment import environment, environment_table
-from lab_helpers.measurement.protocol import PhaseError
+from lab_helpers.measurement.environment import environment, environment_table, usable_memory
+from lab_helpers.measurement.protocol import PhaseError, import_torch
 from lab_helpers.measurement.recording import (add_timeline_flags, save_oom_snapshot, timeline_recorder,
                                                write_timeline)
 from lab_helpers.synthetic.estimate import MAX_PARAMETERS, MAX_RESERVE_GIB, estimate, estimate_table
@@ -129,6 +131,15 @@ def add_measure_arguments(p) -> None:
     add_train_flags(p)
 
 
+SYNTHETIC_BUDGET_HELP = (
+    "the budget the run faces, what one GPU's reserved may reach: --memory-bytes N, or --device cuda:N (its "
+    "usable memory, measured now in a child process). Under a budget the caching allocator's release of its "
+    "free cached segments and retry is replayed, and a predicted out-of-memory error ends the prediction at "
+    "its phase: the output names the phase, the request, reserved and allocated then and the budget, and "
+    "predict exits 3 (as measure does on a GPU out-of-memory). Without one, reserved is predicted for an "
+    "unbounded device. (A rate card GPU's budget, --gpu, is real_model's: this file ships without the card.)")
+
+
 def add_predict_arguments(p) -> None:
     add_size_flags(p)
     _tensor_parallel_flag(p, "predict every rank of the network split over N GPUs (no GPU needed), 1 to "
@@ -136,8 +147,34 @@ def add_predict_arguments(p) -> None:
     _workspace_flag(p, "math-library workspace blocks allocated at the first matrix product, each 0 to "
                        f"{MAX_WORKSPACE_BYTES}, at most {MAX_WORKSPACE_BLOCKS} ({DEFAULT_WORKSPACE_HELP})")
     p.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
+    group = p.add_argument_group("budget", textwrap.fill(SYNTHETIC_BUDGET_HELP, 76, break_on_hyphens=False))
+    budget = group.add_mutually_exclusive_group()
+    budget.add_argument("--memory-bytes", type=whole_number(1, MAX_MEMORY_BUDGET_BYTES), metavar="N",
+                        help="the budget in bytes, 1 to 2^50")
+    # not `device`: the network's configuration has a device of its own (measure's)
+    budget.add_argument("--device", dest="budget_device", default=None, metavar="cuda:N",
+                        help="the GPU whose usable memory is measured now and is the budget")
     add_train_flags(p)
     _format_flag(p)
+
+
+def synthetic_budget(args) -> tuple:
+    """(bytes, source) of predict's budget flags, (None, None) without one."""
+    if args.memory_bytes:
+        return args.memory_bytes, "given with --memory-bytes"
+    device = args.budget_device
+    if device is None:
+        return None, None
+    index = parse_device(device)
+    torch = import_torch()
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        # the probe's own failure would name torch internals (a build without CUDA has no _cuda_setDevice)
+        raise LabError(f"no GPU visible as {device}: give --memory-bytes")
+    answer = usable_memory(index)
+    if not isinstance(answer["usable_memory_bytes"], int):
+        raise LabError(f"cannot measure the usable memory of {device} "
+                       f"({answer['usable_memory_unavailable_reason']}); give --memory-bytes")
+    return answer["usable_memory_bytes"], f"usable memory of {device}, measured now in a fresh child process"
 
 
 def add_compare_arguments(p) -> None:
@@ -211,17 +248,23 @@ def handle_environment(args) -> int:
 
 def handle_predict(args) -> int:
     workspace = _workspace_from(args)
+    config = _config_from(args)  # checked before a budget is measured
     settings = allocator_settings(args.allocator_conf)
     if args.task == "train":
         default_allocator_only(settings, "--task train")
+        if args.memory_bytes is not None or args.budget_device is not None:
+            raise LabError("--memory-bytes and --device (a budget) are not modelled with --task train: "
+                           "a training prediction is for an unbounded device")
         return predict_train_command(args, _config_from(args), workspace)
     refuse_train_flags(args)
+    budget, source = synthetic_budget(args)
     if workspace is None:
-        result = predict(_config_from(args), allocator=settings)
+        result = predict(config, allocator=settings, budget_bytes=budget, budget_source=source)
     else:
-        result = predict(_config_from(args), workspace, "given on the command line", allocator=settings)
+        result = predict(config, workspace, "given on the command line", allocator=settings, budget_bytes=budget,
+                         budget_source=source)
     print_result(args, result, predict_table)
-    return EXIT_OK
+    return EXIT_PHASE if "out_of_memory" in result else EXIT_OK
 
 
 def handle_compare(args) -> int:

@@ -1,6 +1,9 @@
 """Predicting the synthetic network's allocator counters per phase, and comparing a measurement with its prediction."""
 import math
 
+from lab_helpers.allocator.budget import (BudgetedAllocatorModel, OutOfMemory, UNBOUNDED_NOTE, UNRECORDED_NOTE,
+                                          measured_budgets)
+from lab_helpers.allocator.expandable import CappedExpandableAllocator
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.allocator.settings import (DEFAULT_SETTINGS, AllocatorSettings, parse_allocator_conf, recorded_settings,
                                             replay_allocator)
@@ -16,8 +19,9 @@ ALLOCATION_KINDS = ("weights", "inputs", "workspace", "activations")
 
 RESERVED_ASSUMPTIONS = (
     "a fresh process, default allocator settings (no PYTORCH_CUDA_ALLOC_CONF: no "
-    "expandable_segments, no max_split_size_mb), enough free memory (no cache flush and "
-    "retry), and free blocks of equal size taken in the order their segments were made")
+    "expandable_segments, no max_split_size_mb), free memory as the budget says (without one, "
+    "unbounded: no cache flush and retry), and free blocks of equal size taken in the order their "
+    "segments were made")
 
 
 EXPANDABLE_RESERVED_ASSUMPTIONS = (
@@ -32,11 +36,16 @@ OUTSIDE_ALLOCATOR_NOT_PREDICTED = (
 
 
 def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+            workspace_source: str = DEFAULT_WORKSPACE_SOURCE, allocator: AllocatorSettings = DEFAULT_SETTINGS,
+            budget_bytes=None, budget_source=None) -> dict:
     """Predict allocated and reserved bytes per phase, from the allocator's rules alone (under the
     `allocator` settings). Each phase also has ``end_allocated_bytes_by_kind``: its end allocated
     bytes split into ALLOCATION_KINDS. At tensor parallel N the document holds ``ranks`` (each
-    rank's phases) instead of ``phases``."""
+    rank's phases) instead of ``phases``.
+
+    With `budget_bytes` (what one GPU's reserved may reach), the allocator's release of its free
+    cached segments and retry is replayed (lab_helpers.allocator.budget); a run that still runs out
+    ends at the failing phase, and the document holds ``out_of_memory``."""
     workspace_bytes = tuple(workspace_bytes)
     _check_workspace(workspace_bytes)
     document = {
@@ -46,32 +55,56 @@ def predict(config: MeasureConfig, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
         "synthetic_model": synthetic_model(config),
         "workspace": {"bytes": list(workspace_bytes), "source": workspace_source},
         "reserved_assumptions": EXPANDABLE_RESERVED_ASSUMPTIONS if allocator.expandable_segments else RESERVED_ASSUMPTIONS,
+        "budget": ({"bytes": budget_bytes, "source": budget_source or "given"} if budget_bytes is not None else
+                   {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}),
     }
     if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
         document["allocator_conf"] = allocator.conf_text()
     if config.tensor_parallel is None:
-        document["phases"] = _replay_phases(config, workspace_bytes, config.hidden_features, allocator)
+        replay = replay_under_budget(config, workspace_bytes, config.hidden_features, budget_bytes, allocator)
+        document["phases"] = replay["phases"]
+        document.update({k: replay[k] for k in ("cache_releases", "out_of_memory") if k in replay})
         return document
     # Every rank runs the same requests in the same order: its shard of hidden / N features (N
     # divides hidden, checked when the config was built), the whole input, output and second bias.
     # The all-reduce is in place and allocates nothing in the caching allocator, so each rank's
     # replay is computed, not copied, with the same sizes.
     document["outside_allocator"] = OUTSIDE_ALLOCATOR_NOT_PREDICTED
-    document["ranks"] = [{"rank": rank, "phases": _replay_phases(config, workspace_bytes, config.shard_hidden, allocator)}
+    document["ranks"] = [{"rank": rank, **replay_under_budget(config, workspace_bytes, config.shard_hidden,
+                                                              budget_bytes, allocator)}
                          for rank in range(config.tensor_parallel)]
+    failed = [{"rank": r["rank"], **r["out_of_memory"]} for r in document["ranks"] if "out_of_memory" in r]
+    if failed:
+        document["out_of_memory"] = failed[0]
     return document
 
 
 def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
                    allocator: AllocatorSettings = DEFAULT_SETTINGS) -> list:
     """The phases of one process holding `hidden` features of the first Linear (all of them on one
-    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`."""
+    GPU, hidden / N on each of N ranks), replayed on the model of the allocator under `allocator`, for an
+    unbounded device."""
+    return replay_under_budget(config, workspace_bytes, hidden, None, allocator)["phases"]
+
+
+def replay_under_budget(config: MeasureConfig, workspace_bytes: tuple, hidden: int, budget,
+                        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+    """{"phases"[, "cache_releases", "out_of_memory"]} of one process holding `hidden` features of
+    the first Linear, replayed on the allocator model under `allocator` and `budget`: None
+    (unbounded), bytes, or a list of bytes, one per phase record (a measurement's, see
+    measured_budgets). A predicted out-of-memory ends the phases before the one that fails."""
     c = config
     element = DTYPE_BYTES[c.dtype]
     tokens = c.batch * c.context
-    alloc = replay_allocator(allocator)
+    if budget is None:
+        alloc = replay_allocator(allocator)
+    elif allocator.expandable_segments:  # its own capacity, set per phase below
+        alloc = CappedExpandableAllocator(None, OutOfMemory)
+    else:
+        alloc = BudgetedAllocatorModel()
     live = {}
     phases = []
+    releases = []
     held = dict.fromkeys(ALLOCATION_KINDS, 0)  # allocated bytes per kind, as the allocator counts them
     kind_of = {}
 
@@ -86,9 +119,22 @@ def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
         alloc.free(block)
 
     def phase(name, action, index=None, passes=0):
+        phase_budget = budget[len(phases)] if isinstance(budget, list) else budget
+        if isinstance(alloc, BudgetedAllocatorModel):
+            alloc.budget_bytes = phase_budget
+        elif phase_budget is not None:  # the expandable-segments model's own capacity
+            alloc.capacity_bytes = phase_budget
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        action()
+        seen = len(getattr(alloc, "releases", ()))
+        try:
+            action()
+        except OutOfMemory as exc:
+            exc.phase, exc.index = name, index
+            raise
+        finally:
+            releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
+                            for r, after in getattr(alloc, "releases", ())[seen:])
         phases.append({
             "phase": name, "index": index, "passes": passes,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
@@ -120,15 +166,19 @@ def _replay_phases(config: MeasureConfig, workspace_bytes: tuple, hidden: int,
         for _ in range(c.warmup):
             free(forward())
 
-    phase("model_load", load_model)
-    phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
-    phase("cold_forward", measured_forward, passes=1)
-    free(live.pop("output"))
-    phase("warmup", warmup, passes=c.warmup)
-    for repeat in range(c.repeats):
-        phase("warm_forward", measured_forward, index=repeat, passes=1)
+    try:
+        phase("model_load", load_model)
+        phase("inputs", lambda: malloc(tokens * c.width * element, "inputs"))
+        phase("cold_forward", measured_forward, passes=1)
         free(live.pop("output"))
-    return phases
+        phase("warmup", warmup, passes=c.warmup)
+        for repeat in range(c.repeats):
+            phase("warm_forward", measured_forward, index=repeat, passes=1)
+            free(live.pop("output"))
+    except OutOfMemory as exc:
+        return {"phases": phases, "cache_releases": releases, "out_of_memory": exc.report()}
+    # without a budget nothing is ever released: the document keeps its earlier form
+    return {"phases": phases, "cache_releases": releases} if budget is not None else {"phases": phases}
 
 
 # What compare needs of a document: a synthetic configuration and phases with their counters (a
@@ -218,7 +268,6 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
                     allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
     """One process's measured phases beside their replay (`hidden` features of the first Linear)."""
     bare = _replay_phases(config, (), hidden, allocator)
-    predicted = _replay_phases(config, workspace_bytes, hidden, allocator)
     expected = [(p["phase"], p["index"]) for p in bare]
     if len(measured) != len(expected):
         raise LabError(f"{where}: {len(measured)} records, but measure writes {len(expected)} for "
@@ -227,23 +276,43 @@ def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tupl
         if (got["phase"], got["index"]) != want:
             raise LabError(f"{where}[{i}]: phase {got['phase']!r} index {got['index']!r}, but measure "
                            f"writes phase {want[0]!r} index {want[1]!r} there")
+    # under the budget the measured device gave each phase (older files: unbounded, and said so)
+    budgets = measured_budgets(measured)
+    replay = replay_under_budget(config, workspace_bytes, hidden, budgets, allocator)
+    predicted = replay["phases"]
     cold = PHASES.index("cold_forward")
     detected = measured[cold]["end_allocated_bytes"] - bare[cold]["end_allocated_bytes"]
     rows = []
-    for got, want in zip(measured, predicted):
-        row = {"phase": got["phase"], "index": got["index"]}
+    for i, (got, want) in enumerate(zip(measured, predicted)):
+        row = {"phase": got["phase"], "index": got["index"], "budget_bytes": None if budgets is None else budgets[i]}
         for key in want:
             if key.endswith("_bytes"):
                 row[f"measured_{key}"] = got[key]
                 row[f"predicted_{key}"] = want[key]
                 row[f"difference_{key}"] = got[key] - want[key]
         rows.append(row)
-    allocated_keys = [k for k in rows[0] if k.startswith("difference_") and "allocated" in k]
+    allocated_keys = [k for k in COMPARED_KEYS if "allocated" in k]
+    budget = {"replayed_under": "an unbounded device" if budgets is None else "the measured budget of each phase",
+              "rule": UNRECORDED_NOTE if budgets is None else MEASURED_BUDGET_RULE}
+    if "out_of_memory" in replay:
+        budget["predicted_out_of_memory"] = replay["out_of_memory"]
     return {
+        "budget": budget,
+        "outcomes_agree": "out_of_memory" not in replay,
         "workspace_detected_bytes": detected,
-        "allocated_exact": all(row[k] == 0 for row in rows for k in allocated_keys),
+        "allocated_exact": "out_of_memory" not in replay and all(row[f"difference_{k}"] == 0 for row in rows
+                                                                 for k in allocated_keys),
         "rows": rows,
     }
+
+
+COMPARED_KEYS = tuple(f"{when}_{counter}_bytes" for when in ("baseline", "end", "peak") for counter in COUNTERS)
+
+
+MEASURED_BUDGET_RULE = (
+    "measured: per phase, the smaller of the device's free bytes plus reserved at the phase's start and at its "
+    "end (what the allocator could reach, less what appeared outside it: the CUDA context, cuBLAS/cuBLASLt "
+    "handles, lazily loaded kernels, NCCL)")
 
 
 MAX_WORKSPACE_BLOCKS = 16

@@ -42,12 +42,35 @@ def predict_table(result: dict) -> str:
     else:
         lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters))
                                          for p in result["phases"]]))
+    lines.append(synthetic_budget_line(result.get("budget") or {}))
+    for r in result.get("cache_releases", ()) if "ranks" not in result else ():
+        lines.append(f"release and retry in {_label(r)}: {format_bytes(r['released_bytes'])} of free cached "
+                     f"segments given back, reserved {format_bytes(r['reserved_bytes_after'])} after")
+    if result.get("out_of_memory"):
+        lines.append(synthetic_out_of_memory_line(result["out_of_memory"]))
     lines += ["each phase starts from the previous one's end",
               f"workspace: {workspace} bytes ({result['workspace']['source']})",
               f"reserved assumes: {result['reserved_assumptions']}"]
     if "outside_allocator" in result:
         lines.append(f"NCCL outside the allocator: {result['outside_allocator']}")
     return "\n".join(lines)
+
+
+def synthetic_budget_line(budget: dict) -> str:
+    if budget.get("bytes") is None:
+        return f"budget: none: {budget.get('note', 'reserved is predicted for an unbounded device')}"
+    return f"budget: {format_bytes(budget['bytes'])} ({budget['source']})"
+
+
+def synthetic_out_of_memory_line(oom: dict) -> str:
+    rank = f"rank {oom['rank']}, " if "rank" in oom else ""
+    if "message" in oom:  # the expandable-segments model says it in words
+        return f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: {oom['message']}"
+    return (f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: tried to allocate "
+            f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
+            f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
+            f"budget {format_bytes(oom['budget_bytes'])}, after releasing "
+            f"{format_bytes(oom['released_before_failing_bytes'])} of free cached segments")
 
 
 def compare_table(result: dict) -> str:
@@ -77,8 +100,12 @@ def _compare_rows_table(result: dict) -> str:
                      format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
                      f"{r['difference_peak_reserved_bytes']:+d}"))
     workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
+    budget = result.get("budget") or {}
+    oom = budget.get("predicted_out_of_memory")
     return "\n".join([
         text_table(header, rows),
+        f"replayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}",
+        *([synthetic_out_of_memory_line(oom) + " (the measured run completed)"] if oom else []),
         f"allocated exact (baseline, end and peak of every phase): {'yes' if result['allocated_exact'] else 'no'}",
         f"workspace predicted: {workspace} bytes ({result['workspace']['source']}); "
         f"detected from the cold forward: {result['workspace_detected_bytes']} bytes",
