@@ -37,28 +37,41 @@ elif [ -f "$stamp" ]; then
 else
   echo "venv: adding what $purpose needs to .venv"
 fi
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-compile: pip would byte-compile every installed file (torch, JupyterLab: tens of thousands,
+# a minute of CPU on 2 cores); Python compiles a module on its first import instead, and only those.
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
 constraints="$venv/constraints-in-use.txt"
+# torch is satisfied by the first entry of this one pip call, so nothing here ever replaces it.
+grep -v '^torch\b' requirements.txt > "$venv/requirements-without-torch.txt"
+wanted=(-r "$venv/requirements-without-torch.txt")
 if "$venv/bin/python" -c 'import torch' 2>/dev/null; then
   echo "venv: keeping torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   # this box's own torch build stays: the CPU pin would replace it
   grep -v '^torch\b' .ci/constraints.txt > "$constraints" || true
 else
-  echo "venv: installing torch (CPU build, pinned in .ci/constraints.txt)"
-  "${pip[@]}" -c .ci/constraints.txt torch
+  echo "venv: torch (CPU build, pinned in .ci/constraints.txt)"
   cp .ci/constraints.txt "$constraints"
+  wanted=(torch "${wanted[@]}")
 fi
-# torch is satisfied by now, so this never replaces it.
-grep -v '^torch\b' requirements.txt > "$venv/requirements-without-torch.txt"
-echo "venv: installing requirements.txt"
-"${pip[@]}" -c "$constraints" -r "$venv/requirements-without-torch.txt"
 if [ "$purpose" = test ]; then
-  echo "venv: installing the test tools (.ci/requirements-test.txt)"
-  "${pip[@]}" -c "$constraints" -r .ci/requirements-test.txt
+  wanted+=(-r .ci/requirements-test.txt)
 fi
+# One pip call for requirements.txt and the test tools: one resolution, one download pass.
+echo "venv: installing requirements.txt$([ "$purpose" = test ] && echo ' and the test tools (.ci/requirements-test.txt)')"
+"${pip[@]}" -c "$constraints" "${wanted[@]}"
+# jsonschema's format-nongpl extra (JupyterLab's jupyter-events asks for it) brings rfc3987-syntax,
+# whose import builds a lark grammar: 2-3 s of CPU in every Python that imports jsonschema (nbformat,
+# the Jupyter server, each `make sync`, each notebook test). Without it jsonschema leaves the "iri"
+# formats unchecked, which nothing in the lab or JupyterLab's notebooks relies on.
+"$venv/bin/python" -m pip uninstall --disable-pip-version-check -y -q rfc3987-syntax 2>/dev/null || true
 # Editable and without dependencies: `.venv/bin/python -m lab_helpers.X` and the iteragpu-*
-# commands then work from any folder, and pip resolves nothing twice.
+# commands then work from any folder, and pip resolves nothing twice. The venv's own setuptools
+# builds it when it is recent enough (no throwaway build environment to install).
 echo "venv: installing this project (editable, no dependencies)"
-"${pip[@]}" --no-deps -e .
+isolation=()
+if "$venv/bin/python" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null; then
+  isolation=(--no-build-isolation)
+fi
+"${pip[@]}" --no-deps ${isolation[@]+"${isolation[@]}"} -e .
 echo "$want" > "$stamp"
 echo "venv: ready ($purpose) in $((SECONDS - start)) s"

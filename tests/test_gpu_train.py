@@ -100,12 +100,15 @@ def test_two_layers_of_qwen_full_fine_tuning(tmp_path, flags):
         report({"model": "qwen1.5-0.5b, 2 layers", "flags": list(flags), **row})
     for row in result["rows"]:
         where = f"{row['phase']} {row['index']}"
-        for key in ("baseline_allocated_bytes", "end_allocated_bytes"):
+        # exact in all six counters on the H200 (2026-12-01), with and without checkpointing
+        for key in COUNTERS:
             assert row[f"difference_{key}"] == 0, (where, key, row)
-        assert abs(row["difference_peak_allocated_bytes"]) <= row["measured_peak_allocated_bytes"] * 0.001, (where, row)
-        assert abs(row["difference_peak_reserved_bytes"]) <= row["measured_peak_reserved_bytes"] * 0.01, (where, row)
 
 
+# Measured on the H200 (2026-12-01): allocated exact in every record; reserved 77594624 bytes above the
+# prediction from backward 1 on, a segment the replay does not make: not yet explained, so not hidden.
+@pytest.mark.xfail(strict=True, reason="LoRA's reserved is 77594624 bytes above the prediction from backward 1 on "
+                                      "(H200, 2026-12-01); allocated is exact")
 def test_two_layers_of_qwen_lora(tmp_path):
     # the GPU image has no peft of its own: install the wheel the lab pins (peft==0.21.2) first
     pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): the LoRA run was NOT checked")
@@ -119,7 +122,5 @@ def test_two_layers_of_qwen_lora(tmp_path):
         report({"model": "qwen1.5-0.5b, 2 layers", "flags": ["--train", "lora", "--lora-rank", "8"], **row})
     for row in result["rows"]:
         where = f"{row['phase']} {row['index']}"
-        for key in ("baseline_allocated_bytes", "end_allocated_bytes"):
+        for key in COUNTERS:
             assert row[f"difference_{key}"] == 0, (where, key, row)
-        assert abs(row["difference_peak_allocated_bytes"]) <= row["measured_peak_allocated_bytes"] * 0.001, (where, row)
-        assert abs(row["difference_peak_reserved_bytes"]) <= row["measured_peak_reserved_bytes"] * 0.01, (where, row)
