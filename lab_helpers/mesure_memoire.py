@@ -1688,7 +1688,7 @@ class PagesOutOfMemory(Exception):
 class _ExpandableBlock:
     size: int
     address: int
-    segment: "_ExpandableSegment"
+    segment: object  # its _ExpandableSegment (a string annotation breaks dataclasses in exec'd notebook code)
     mapped: bool
     free: bool = True
 

@@ -344,6 +344,10 @@ def parse_config(raw, name: str) -> ModelShape:
     for key, value in raw.items():
         _check_values(value, key)
     model_type = _refuse_before_transformers(raw)
+    # torch before transformers: a Python without torch then ends in the lab's one line naming it
+    # (core.cli.run), not after transformers' own "PyTorch was not found" warning on stderr
+    import torch
+    del torch  # only its presence matters here
     from transformers.cache_utils import get_layer_types_and_kwargs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
