@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,10 +49,8 @@ def run_refused(args, cwd: Path, prog: str, *needles):
                        script.suffix == ".py" else [])
     before = [snapshot(folder) for folder in watched]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
@@ -63,7 +60,6 @@ def run_refused(args, cwd: Path, prog: str, *needles):
     assert len(lines[0]) < 600, lines[0]  # a refused 100 000-digit value is not echoed back
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
-    assert elapsed < TIME_LIMIT_SECONDS, elapsed
     assert [snapshot(folder) for folder in watched] == before
     return lines[0]
 
