@@ -306,19 +306,14 @@ class AddressedAllocator(AllocatorModel):
         self.top = self.TOP
         self.holes = []  # (start, size) of address ranges given back by released large segments
 
-    def malloc(self, request_bytes: int):
-        reserved, base = self.reserved, self.next_address
-        block = super().malloc(request_bytes)
-        grown = self.reserved - reserved
-        if grown > LARGE_SEGMENT_BYTES:
-            start = self._take_hole(grown)
-            if start is None:
-                self.top -= grown
-                start = self.top
-            for member in block.segment:
-                member.address += start - base
-            self.next_address = base
-        return block
+    def segment_address(self, segment_bytes: int) -> int:
+        if segment_bytes <= LARGE_SEGMENT_BYTES:
+            return super().segment_address(segment_bytes)
+        start = self._take_hole(segment_bytes)
+        if start is None:
+            self.top -= segment_bytes
+            start = self.top
+        return start
 
     def _take_hole(self, size: int):
         """Top-down: the highest released range that fits, at its top end."""
@@ -358,8 +353,7 @@ class CappedAllocator(AddressedAllocator):
 
     def malloc(self, request_bytes: int):
         size = self.round_size(request_bytes)
-        small = size <= 2**20
-        if not any(b.size >= size for b in self.free_blocks[small]):
+        if not self.has_free_block(size):
             segment = self.segment_size(size)
             if self.reserved + segment > self.capacity_bytes:
                 self.release_cached()
@@ -370,8 +364,5 @@ class CappedAllocator(AddressedAllocator):
 
     def release_cached(self) -> None:
         """Return every wholly free segment to the device (cudaFree), as empty_cache does."""
-        for small, pool in self.free_blocks.items():
-            for block in [b for b in pool if len(b.segment) == 1]:
-                pool.remove(block)
-                self.reserved -= block.size
-                self.give_back(block)
+        for block in self.release_free_segments():
+            self.give_back(block)
