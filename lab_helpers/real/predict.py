@@ -12,8 +12,7 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
-from lab_helpers.real.protocol import run_protocol
-from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, run_configuration
+from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps, run_configuration
 
 CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers 5.17.0 on an NVIDIA H200 "
                "(compute capability 9.0): cuBLAS and cuBLASLt workspaces, cuDNN attention, argmax staging")
@@ -24,36 +23,17 @@ REAL_MODEL_ASSUMPTIONS = (
 
 
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
-                        mesh=None) -> dict:
-    """Trace the model_load phase once; predictions of other sizes start from a copy of it.
-
-    At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay alive
-    while the loaded model is used (its forward hooks call the mesh's process group)."""
-    import torch
-
-    from lab_helpers.real.tracer import AllocationTracer, CappedAllocator
-    tracer = AllocationTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
-    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh}
-
-    def phase(name, action, index, recorded):
-        with tracer:
-            loaded["model"] = action()
-        tracer.collect(settled=True)
-        alloc = tracer.allocator
-        loaded["record"] = {
-            "phase": name, "index": index, "passes": 0,
-            "baseline_allocated_bytes": 0, "baseline_reserved_bytes": 0,
-            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
-            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
-        }
-
-    spec = RunSpec(shape.name, dtype=dtype, tensor_parallel=tensor_parallel)
-    run_protocol(shape, spec, torch.device("meta"), phase, mesh=mesh, stop_after="model_load")
-    tracer.settle()
-    # the weights live as long as the model: their blocks stay allocated in the copies
-    loaded["weights_bytes"] = sum(block.size for _, block, _ in tracer.settled.values())
-    loaded["allocator"] = tracer.allocator
-    return loaded
+                        mesh=None, trace_cache=None, rank: int = 0) -> dict:
+    """The traces of one rank of `shape` in `dtype` (a TraceSession: the load traced or read once, each
+    size's run after it), and the load replayed under `capacity_bytes` (OutOfMemory when the weights
+    alone do not fit). At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay
+    alive while the session traces (the model's forward hooks call the mesh's process group)."""
+    from lab_helpers.real.trace_cache import default_cache
+    from lab_helpers.real.traces import TraceSession
+    session = TraceSession(shape, dtype, tensor_parallel, rank, trace_cache or default_cache())
+    weights = session.replay_load(capacity_bytes, mesh)["weights_bytes"]
+    return {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh,
+            "session": session, "weights_bytes": weights}
 
 
 @contextlib.contextmanager
@@ -74,24 +54,34 @@ def fake_process_group(rank: int, world_size: int):
 
 
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
-                  tensor_parallel: "int | None" = None) -> dict:
-    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
+                  tensor_parallel: "int | None" = None, trace_cache=None) -> dict:
+    """Predict allocated and reserved bytes of every phase: the run traced on the meta device (or its
+    trace read from `trace_cache`, default the user's cache folder), replayed through the allocator model.
 
     At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
     turn under torch's fake process-group backend, and the document has a "ranks" list (each
     rank's "overall" and "phases") instead of "phases"; its "overall" is the worst rank's. With
     `loaded` at N > 1 (from load_for_prediction, whose fake group must still be open), only that
     loaded rank is predicted, and returned as the document of one rank."""
+    from lab_helpers.real.trace_cache import default_cache
+    from lab_helpers.real.traces import ModelNeeded, TraceSession
     if tensor_parallel is not None:
         spec = replace(spec, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, spec.tensor_parallel)
     degree = spec.tensor_parallel
-    if degree == 1 or loaded is not None:
-        return _predict_rank(shape, spec, capacity_bytes, loaded)
+    cache = trace_cache or default_cache()
+    if loaded is not None and (loaded["dtype"], loaded["tensor_parallel"]) == (spec.dtype, degree):
+        return _predict_rank(shape, spec, capacity_bytes, loaded["session"], loaded["mesh"])
+    if degree == 1:
+        return _predict_rank(shape, spec, capacity_bytes, TraceSession(shape, spec.dtype, 1, 0, cache))
     ranks = []
     for rank in range(degree):
-        with fake_process_group(rank, degree) as mesh:
-            one = _predict_rank(shape, spec, capacity_bytes, None, mesh)
+        session = TraceSession(shape, spec.dtype, degree, rank, cache)
+        try:
+            one = _predict_rank(shape, spec, capacity_bytes, session)
+        except ModelNeeded:  # a trace is missing: the rank's model is built in its process group
+            with fake_process_group(rank, degree) as mesh:
+                one = _predict_rank(shape, spec, capacity_bytes, session, mesh)
         ranks.append({"rank": rank, "overall": one.pop("overall"), "phases": one.pop("phases")})
     one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
                                                                            "peak_reserved_bytes")}
@@ -99,52 +89,22 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     return one
 
 
-def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None) -> dict:
-    import copy
-
-    import torch
-
-    from lab_helpers.real.tracer import AllocationTracer
-    if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != capacity_bytes
-            or loaded["tensor_parallel"] != spec.tensor_parallel):
-        loaded = load_for_prediction(shape, spec.dtype, capacity_bytes, spec.tensor_parallel, mesh)
-    tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
-    alloc = tracer.allocator
-    phases = [dict(loaded["record"])]
-    totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
-              "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
-
-    def phase(name, action, index, recorded):
-        tracer.collect()
-        base_allocated, base_reserved = alloc.allocated, alloc.reserved
-        alloc.reset_peaks()
-        with tracer:
-            action()
-        tracer.collect()
-        totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
-        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
-        if recorded:
-            phases.append({
-                "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
-                "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
-                "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
-                "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
-            })
-
-    run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"], mesh=loaded["mesh"])
+def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, session, mesh=None) -> dict:
+    replayed = session.replay(spec, capacity_bytes, recorded_steps(spec.new_tokens, spec.decode_record_every), mesh)
+    workspace = replayed["workspace_bytes"]
     prediction = {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
         "configuration": run_configuration(spec),
         "model": model_description(shape, spec.dtype),
-        "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
+        "workspace": {"bytes": workspace, "source": CUDA_SOURCE},
         "assumptions": REAL_MODEL_ASSUMPTIONS,
-        "overall": totals,
-        "phases": phases,
+        "overall": replayed["overall"],
+        "phases": replayed["phases"],
     }
     # a rank's key/value cache holds its own heads: num_key_value_heads / N
     local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
-    _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
+    _where_the_bytes_go(prediction, local, spec, replayed["weights_bytes"], workspace)
     return prediction
 
 

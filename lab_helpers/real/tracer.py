@@ -129,7 +129,7 @@ class AllocationTracer(TorchDispatchMode):
         self.settled = {}
         self.cublas_ready = False
         self.cublaslt_ready = False
-        self.workspace_bytes = 0  # held by cuBLAS/cuBLASLt for the process's life
+        self.persistent = []  # the blocks cuBLAS/cuBLASLt hold for the process's life
         self.requests = 0
         self.layouts = {}  # (op, input layouts) -> output layouts, see _run
 
@@ -147,6 +147,10 @@ class AllocationTracer(TorchDispatchMode):
         self.collect(settled=True)
         self.settled.update(self.live)
         self.live.clear()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(block.size for block in self.persistent)
 
     def live_bytes(self) -> int:
         return sum(n for table in (self.live, self.settled) for _, _, n in table.values())
@@ -183,7 +187,7 @@ class AllocationTracer(TorchDispatchMode):
     def _persistent(self, nbytes: int) -> None:
         if nbytes > 0:
             self.collect()
-            self.workspace_bytes += self.allocator.malloc(nbytes).size  # held for the process's life
+            self.persistent.append(self.allocator.malloc(nbytes))  # held for the process's life
 
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
