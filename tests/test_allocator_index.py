@@ -233,3 +233,49 @@ def test_a_deep_copy_keeps_a_segment_of_thousands_of_blocks():
     alloc.free(blocks[11])
     assert copied.allocated == 2048 * 512 and alloc.allocated == 2047 * 512
     assert len(copied.free_blocks[True]) == 2048 and len(alloc.free_blocks[True]) == 2047
+
+
+def recorded_sequence(seed: int, steps: int) -> list:
+    """A random request sequence as replay() takes it: n > 0 requests n bytes, ~i frees request i."""
+    rng = random.Random(seed)
+    events, live, made = [], [], 0
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            events.append(~live.pop(rng.randrange(len(live))))
+        else:
+            events.append(request_size(rng))
+            live.append(made)
+            made += 1
+    return events
+
+
+@pytest.mark.parametrize("seed, new, reference", [
+    (300, AllocatorModel, ReferenceAllocator), (301, AllocatorModel, ReferenceAllocator),
+    (302, AddressedAllocator, ReferenceAddressed), (303, AddressedAllocator, ReferenceAddressed),
+    (304, lambda: CappedAllocator(400 * MIB), lambda: ReferenceCapped(400 * MIB)),
+    (305, lambda: CappedAllocator(900 * MIB), lambda: ReferenceCapped(900 * MIB))])
+def test_replay_of_a_recorded_sequence_matches_call_by_call(seed, new, reference):
+    events = recorded_sequence(seed, 3000)
+    rng = random.Random(seed)
+    ours, theirs = new(), reference()
+    ours_blocks, their_blocks = [], []
+    at = 0
+    while at < len(events):
+        chunk = events[at:at + rng.randint(1, 60)]
+        at += len(chunk)
+        try:
+            for event in chunk:
+                if event > 0:
+                    their_blocks.append(theirs.malloc(event))
+                else:
+                    theirs.free(their_blocks[~event])
+        except OutOfMemory:
+            with pytest.raises(OutOfMemory):
+                ours.replay(chunk, ours_blocks)
+            return
+        ours.replay(chunk, ours_blocks)
+        assert state(ours) == state(theirs)
+        assert [(b.size, b.address) for b in ours_blocks] == [(b.size, b.address) for b in their_blocks]
+        if rng.random() < 0.1:
+            ours.reset_peaks()
+            theirs.reset_peaks()

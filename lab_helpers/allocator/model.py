@@ -195,6 +195,80 @@ class AllocatorModel:
                 before.prev.next = block
         pool.add(block)
 
+    def replay(self, events, blocks: list) -> None:
+        """Apply a recorded sequence of requests: an event n > 0 is malloc(n), its block appended to
+        `blocks`; an event ~i (negative) is free(blocks[i]). The same as calling malloc and free
+        one by one (tests/test_allocator_index.py checks it); the common cases are written out here
+        because a long run replays millions of events."""
+        keep = blocks.append
+        if type(self).malloc is not AllocatorModel.malloc or type(self).free is not AllocatorModel.free:
+            for event in events:  # a subclass that sees each call
+                if event > 0:
+                    keep(self.malloc(event))
+                else:
+                    self.free(blocks[~event])
+            return
+        pools = self.free_blocks
+        small_keys, small_blocks = pools[True].keys, pools[True].blocks
+        large_keys, large_blocks = pools[False].keys, pools[False].blocks
+        malloc = self.malloc
+        for event in events:
+            if event > 0:
+                size = MIN_BLOCK_BYTES if event <= MIN_BLOCK_BYTES else -(-event // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+                small = size <= SMALL_REQUEST_MAX_BYTES
+                keys, members = (small_keys, small_blocks) if small else (large_keys, large_blocks)
+                i = bisect_left(keys, size << _ADDRESS_BITS)
+                if i == len(keys):  # a new segment: the general path
+                    keep(malloc(event))
+                    continue
+                del keys[i]
+                block = members.pop(i)
+                remaining = block.size - size
+                if remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_REQUEST_MAX_BYTES:
+                    after = block.next
+                    rest = _Block(remaining, block.address + size, small, True, block, after)
+                    if after is not None:
+                        after.prev = rest
+                    block.next = rest
+                    key = (remaining << _ADDRESS_BITS) | (rest.address + _ADDRESS_BIAS)
+                    j = bisect_left(keys, key)
+                    keys.insert(j, key)
+                    members.insert(j, rest)
+                    block.size = size
+                block.free = False
+                self.allocated += block.size
+                if self.allocated > self.peak_allocated:
+                    self.peak_allocated = self.allocated
+                keep(block)
+            else:
+                block = blocks[~event]
+                self.allocated -= block.size
+                block.free = True
+                keys, members = (small_keys, small_blocks) if block.small else (large_keys, large_blocks)
+                after = block.next
+                if after is not None and after.free:
+                    j = bisect_left(keys, (after.size << _ADDRESS_BITS) | (after.address + _ADDRESS_BIAS))
+                    del keys[j]
+                    del members[j]
+                    block.size += after.size
+                    block.next = after.next
+                    if after.next is not None:
+                        after.next.prev = block
+                before = block.prev
+                if before is not None and before.free:
+                    j = bisect_left(keys, (before.size << _ADDRESS_BITS) | (before.address + _ADDRESS_BIAS))
+                    del keys[j]
+                    del members[j]
+                    block.size += before.size
+                    block.address = before.address
+                    block.prev = before.prev
+                    if before.prev is not None:
+                        before.prev.next = block
+                key = (block.size << _ADDRESS_BITS) | (block.address + _ADDRESS_BIAS)
+                j = bisect_left(keys, key)
+                keys.insert(j, key)
+                members.insert(j, block)
+
     def release_free_segments(self) -> list:
         """Return every wholly free segment to the device (cudaFree); the released blocks, small
         pool first, each pool's in (size, address) order."""

@@ -76,7 +76,18 @@ BEYOND_HELP = ("predict even when --context plus --new-tokens exceeds the config
                "(the output then says so); refused without it")
 
 
+NO_CACHE_HELP = ("trace the run again: neither read nor write the traces kept in the user's cache folder "
+                 "(XDG_CACHE_HOME, else ~/.cache, then iteragpu-lab/traces)")
+
+
+def trace_cache_of(args):
+    """The traces a command reads and keeps: the user's cache folder, or with --no-cache memory only."""
+    from lab_helpers.real.trace_cache import TraceCache, default_cache
+    return TraceCache(None) if getattr(args, "no_cache", False) else default_cache()
+
+
 def add_predict_arguments(p) -> None:
+    p.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     add_run_flags(p)
     p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
     p.add_argument("--decode-record-every", type=whole_number(1, MAX_MODEL_NEW_TOKENS), default=1, metavar="K",
@@ -104,6 +115,7 @@ def add_compare_arguments(p) -> None:
 
 def add_fit_arguments(p) -> None:
     add_run_flags(p, sizes_required=False)
+    p.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
     budget.add_argument("--memory-bytes", type=whole_number(1, 2**50), metavar="N", help="the budget in bytes")
@@ -149,7 +161,7 @@ def handle_predict(args) -> int:
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
     note = check_positions(shape, args)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
-    result = predict_model(shape, spec)
+    result = predict_model(shape, spec, trace_cache=trace_cache_of(args))
     if note:
         result["beyond_positions"] = note
     print_model_result(args, result, model_prediction_table)
@@ -174,7 +186,7 @@ def handle_fit(args) -> int:
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens)
-        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs)
+        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs, trace_cache_of(args))
     else:
         degree = args.tensor_parallel
         check_tensor_parallel(shape, degree)
@@ -190,7 +202,7 @@ def handle_fit(args) -> int:
                 source += ("; NCCL's memory outside the allocator is not subtracted, so the budget per rank "
                            "is an upper bound")
         result = fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch, args.context,
-                           tensor_parallel=degree)
+                           tensor_parallel=degree, trace_cache=trace_cache_of(args))
     print_model_result(args, result, model_fit_table)
     return EXIT_OK
 

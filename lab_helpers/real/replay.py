@@ -132,15 +132,6 @@ def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | None":
     return RunTrace(phases, trace.persistent, new_tokens, trace.extra)
 
 
-def _replay(alloc, events: list, blocks: list) -> None:
-    malloc, free, keep = alloc.malloc, alloc.free, blocks.append
-    for event in events:
-        if event > 0:
-            keep(malloc(event))
-        else:
-            free(blocks[~event])
-
-
 def _counters(alloc, base_allocated: int, base_reserved: int) -> dict:
     return {"baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
             "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
@@ -155,16 +146,16 @@ def replay_rank(load: LoadTrace, run: "RunTrace | None", capacity_bytes, recorde
     from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator
     alloc = AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
     blocks = []
-    _replay(alloc, load.events, blocks)
+    alloc.replay(load.events, blocks)
     records = [{"phase": "model_load", "index": None, "passes": 0, **_counters(alloc, 0, 0)}]
     weights_bytes = sum(blocks[i].size for i in load.weights)
     totals = {"peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved}
     recorded = set(recorded_steps)
     for name, index, pre, own in (run.phases if run is not None else ()):
-        _replay(alloc, pre, blocks)
+        alloc.replay(pre, blocks)
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        _replay(alloc, own, blocks)
+        alloc.replay(own, blocks)
         if alloc.peak_allocated > totals["peak_allocated_bytes"]:
             totals["peak_allocated_bytes"] = alloc.peak_allocated
         if alloc.peak_reserved > totals["peak_reserved_bytes"]:
@@ -211,6 +202,7 @@ def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int) -> R
     recorder = RequestRecorder()
     recorder.requests = load.requests
     tracer = AllocationTracer(recorder)
+    from lab_helpers.real.progress import progress_bar
     phases = []
 
     def phase(name, action, index, recorded):
@@ -220,8 +212,10 @@ def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int) -> R
             action()
         tracer.collect()
         phases.append((name, index, pre, recorder.take()))
+        bar.update()
 
-    run_protocol(shape, replace(spec, new_tokens=decode_steps), torch.device("meta"), phase, model=model,
-                 mesh=mesh)
+    with progress_bar(2 + decode_steps, f"tracing batch {spec.batch}, context {spec.context}", "phase") as bar:
+        run_protocol(shape, replace(spec, new_tokens=decode_steps), torch.device("meta"), phase, model=model,
+                     mesh=mesh)
     persistent = list(tracer.persistent)
     return RunTrace(phases, persistent, decode_steps)

@@ -355,16 +355,15 @@ class CappedAllocator(AddressedAllocator):
         super().__init__()
         self.capacity_bytes = capacity_bytes
 
-    def malloc(self, request_bytes: int):
-        size = self.round_size(request_bytes)
-        if not self.has_free_block(size):
-            segment = self.segment_size(size)
-            if self.reserved + segment > self.capacity_bytes:
-                self.release_cached()
-                if self.reserved + segment > self.capacity_bytes:
-                    raise OutOfMemory(f"{segment} more bytes needed with {self.reserved} reserved "
-                                      f"of {self.capacity_bytes}")
-        return super().malloc(request_bytes)
+    def segment_address(self, segment_bytes: int) -> int:
+        # called when no cached block fits: releasing the wholly free segments then changes no
+        # choice of block, only what the device has left for the new segment
+        if self.reserved + segment_bytes > self.capacity_bytes:
+            self.release_cached()
+            if self.reserved + segment_bytes > self.capacity_bytes:
+                raise OutOfMemory(f"{segment_bytes} more bytes needed with {self.reserved} reserved "
+                                  f"of {self.capacity_bytes}")
+        return super().segment_address(segment_bytes)
 
     def release_cached(self) -> None:
         """Return every wholly free segment to the device (cudaFree), as empty_cache does."""
