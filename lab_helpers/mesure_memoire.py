@@ -222,6 +222,86 @@ class AllocatorModel:
                 before.prev.next = block
         pool.add(block)
 
+    def replay(self, events, blocks: list) -> None:
+        """Apply a recorded sequence of requests: an event n > 0 is malloc(n), its block appended to
+        `blocks`; an event ~i (negative) is free(blocks[i]). The same as calling malloc and free
+        one by one (tests/test_allocator_index.py checks it); the common cases are written out here
+        because a long run replays millions of events."""
+        keep = blocks.append
+        if type(self).malloc is not AllocatorModel.malloc or type(self).free is not AllocatorModel.free:
+            for event in events:  # a subclass that sees each call
+                if event > 0:
+                    keep(self.malloc(event))
+                else:
+                    self.free(blocks[~event])
+            return
+        pools = self.free_blocks
+        small_keys, small_blocks = pools[True].keys, pools[True].blocks
+        large_keys, large_blocks = pools[False].keys, pools[False].blocks
+        malloc, block_type = self.malloc, _Block
+        shift, bias, min_block, small_max = _ADDRESS_BITS, _ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
+        # the counters live in locals between two calls of the general path
+        allocated, peak = self.allocated, self.peak_allocated
+        for event in events:
+            if event > 0:
+                size = min_block if event <= min_block else -(-event // min_block) * min_block
+                small = size <= small_max
+                keys, members = (small_keys, small_blocks) if small else (large_keys, large_blocks)
+                i = bisect_left(keys, size << shift)
+                if i == len(keys):  # a new segment: the general path
+                    self.allocated, self.peak_allocated = allocated, peak
+                    keep(malloc(event))
+                    allocated, peak = self.allocated, self.peak_allocated
+                    continue
+                del keys[i]
+                block = members.pop(i)
+                remaining = block.size - size
+                if remaining >= min_block if small else remaining > small_max:
+                    after = block.next
+                    rest = block_type(remaining, block.address + size, small, True, block, after)
+                    if after is not None:
+                        after.prev = rest
+                    block.next = rest
+                    key = (remaining << shift) | (rest.address + bias)
+                    j = bisect_left(keys, key)
+                    keys.insert(j, key)
+                    members.insert(j, rest)
+                    block.size = size
+                block.free = False
+                allocated += block.size
+                if allocated > peak:
+                    peak = allocated
+                keep(block)
+            else:
+                block = blocks[~event]
+                allocated -= block.size
+                block.free = True
+                keys, members = (small_keys, small_blocks) if block.small else (large_keys, large_blocks)
+                after = block.next
+                if after is not None and after.free:
+                    j = bisect_left(keys, (after.size << shift) | (after.address + bias))
+                    del keys[j]
+                    del members[j]
+                    block.size += after.size
+                    block.next = after = after.next
+                    if after is not None:
+                        after.prev = block
+                before = block.prev
+                if before is not None and before.free:
+                    j = bisect_left(keys, (before.size << shift) | (before.address + bias))
+                    del keys[j]
+                    del members[j]
+                    block.size += before.size
+                    block.address = before.address
+                    block.prev = before = before.prev
+                    if before is not None:
+                        before.next = block
+                key = (block.size << shift) | (block.address + bias)
+                j = bisect_left(keys, key)
+                keys.insert(j, key)
+                members.insert(j, block)
+        self.allocated, self.peak_allocated = allocated, peak
+
     def release_free_segments(self) -> list:
         """Return every wholly free segment to the device (cudaFree); the released blocks, small
         pool first, each pool's in (size, address) order."""
