@@ -273,3 +273,22 @@ def test_a_bad_budget_is_refused_before_any_trace():
     from lab_helpers.real.fit import fits_at_degree
     with pytest.raises(LabError):
         fits_at_degree(shape_of("tiny"), RunSpec("tiny"), 1, 0, TraceCache(None))
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch):
+    import io
+
+    from lab_helpers.real.progress import PROGRESS_DELAY_SECONDS, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with progress_bar(3, "quiet") as bar:
+        bar.update()
+        assert bar.disable
+    assert not __import__("sys").stderr.getvalue()
+    monkeypatch.setattr("sys.stderr", Terminal())
+    with progress_bar(3, "shown") as bar:
+        assert not bar.disable and bar.delay == PROGRESS_DELAY_SECONDS  # drawn once two seconds have passed
