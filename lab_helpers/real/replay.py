@@ -12,7 +12,7 @@ of one step later). `expand_decode` checks that on three traced steps and extend
 any number of steps; where the run's structure does not promise it (`decode_expandable`), every step
 is traced.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # decode steps traced when the steps are extended from the traced ones: step 0 (which releases the
 # prefill's cache) and three steps whose events must be affine in the step number
@@ -61,7 +61,6 @@ class RunTrace:
     phases: list
     persistent: list  # ids of the math libraries' workspaces, held for the process's life
     decode_steps: int  # decode steps the phases hold
-    extra: dict = field(default_factory=dict)
 
 
 def decode_expandable(shape) -> bool:
@@ -114,7 +113,7 @@ def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | None":
     request would shrink to nothing before the last step."""
     if new_tokens <= trace.decode_steps:
         return RunTrace([p for p in trace.phases if p[0] != "decode" or p[1] < new_tokens],
-                        trace.persistent, new_tokens, trace.extra)
+                        trace.persistent, new_tokens)
     template = decode_template(trace)
     if template is None:
         return None
@@ -129,7 +128,7 @@ def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | None":
         j = step - last
         phases.append(("decode", step, [e + j * d for e, d in zip(pre, pre_step)],
                        [e + j * d for e, d in zip(own, own_step)]))
-    return RunTrace(phases, trace.persistent, new_tokens, trace.extra)
+    return RunTrace(phases, trace.persistent, new_tokens)
 
 
 def _counters(alloc, base_allocated: int, base_reserved: int) -> dict:
