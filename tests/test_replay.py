@@ -292,3 +292,13 @@ def test_progress_shows_on_a_terminal_only(monkeypatch):
     monkeypatch.setattr("sys.stderr", Terminal())
     with progress_bar(3, "shown") as bar:
         assert not bar.disable and bar.delay == PROGRESS_DELAY_SECONDS  # drawn once two seconds have passed
+
+
+def test_tracing_leaves_the_config_as_given():
+    """The trace key and the documents show shape.raw: building the model must not rewrite it."""
+    import copy
+    shape = load_config("llama-3.1-8b")  # a rope block (llama3) that the config's construction rewrites
+    before = copy.deepcopy(shape.raw)
+    from lab_helpers.real.protocol import transformers_config
+    transformers_config(shape)
+    assert shape.raw == before

@@ -19,8 +19,11 @@ from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, ru
 def transformers_config(shape: ModelShape):
     """The transformers config of `shape`, with the attention the lab measures (SDPA)."""
     from transformers import AutoConfig
-    raw = {k: v for k, v in shape.raw.items() if k not in ("model_type", "architectures", "auto_map",
-                                                           "torch_dtype", "dtype", "transformers_version")}
+    import copy
+    # a deep copy: building the config rewrites nested blocks (rope parameters) in place, and
+    # shape.raw is what documents and trace keys show of the config
+    raw = {k: copy.deepcopy(v) for k, v in shape.raw.items() if k not in (
+        "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")}
     from huggingface_hub.errors import StrictDataclassError
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     for key in ("rope_parameters", "rope_scaling"):  # checked before the library warns of it on stderr
