@@ -137,24 +137,42 @@ def _counters(alloc, base_allocated: int, base_reserved: int) -> dict:
             "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved}
 
 
-def replay_rank(load: LoadTrace, run: "RunTrace | None", capacity_bytes, recorded_steps) -> dict:
+def default_allocator(capacity_bytes=None):
+    """The replayed allocator under PyTorch's default settings, capped at `capacity_bytes` when given."""
+    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator
+    return AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
+
+
+def _apply(alloc, events: list, blocks: list) -> None:
+    if hasattr(alloc, "replay"):
+        alloc.replay(events, blocks)
+        return
+    for event in events:  # an allocator model without a replay of its own
+        if event > 0:
+            blocks.append(alloc.malloc(event))
+        else:
+            alloc.free(blocks[~event])
+
+
+def replay_rank(load: LoadTrace, run: "RunTrace | None", capacity_bytes, recorded_steps,
+                make_allocator=default_allocator) -> dict:
     """The allocator model replayed over one rank's load and run: {"phases": records of the recorded
     phases, "overall": the peaks, "weights_bytes", "workspace_bytes"}. Under `capacity_bytes` the
     allocator is capped (lab_helpers.real.tracer.CappedAllocator: OutOfMemory when it runs out).
-    With run None, the load alone."""
-    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator
-    alloc = AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
+    `make_allocator(capacity_bytes)` makes the allocator model (the trace does not depend on it: any
+    allocator setting replays the same requests). With run None, the load alone."""
+    alloc = make_allocator(capacity_bytes)
     blocks = []
-    alloc.replay(load.events, blocks)
+    _apply(alloc, load.events, blocks)
     records = [{"phase": "model_load", "index": None, "passes": 0, **_counters(alloc, 0, 0)}]
     weights_bytes = sum(blocks[i].size for i in load.weights)
     totals = {"peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved}
     recorded = set(recorded_steps)
     for name, index, pre, own in (run.phases if run is not None else ()):
-        alloc.replay(pre, blocks)
+        _apply(alloc, pre, blocks)
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
-        alloc.replay(own, blocks)
+        _apply(alloc, own, blocks)
         if alloc.peak_allocated > totals["peak_allocated_bytes"]:
             totals["peak_allocated_bytes"] = alloc.peak_allocated
         if alloc.peak_reserved > totals["peak_reserved_bytes"]:

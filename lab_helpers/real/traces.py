@@ -4,8 +4,8 @@ load, and each (batch, context)'s phases; the meta model is built only when a tr
 Where the run's decode steps repeat (lab_helpers.real.replay.decode_expandable), a run of N new tokens
 is traced for TRACED_DECODE_STEPS steps and extended (expand_decode); where the traced steps do not
 repeat, all N steps are traced."""
-from lab_helpers.real.replay import (TRACED_DECODE_STEPS, decode_expandable, expand_decode, replay_rank,
-                                     trace_load, trace_run)
+from lab_helpers.real.replay import (TRACED_DECODE_STEPS, decode_expandable, default_allocator, expand_decode,
+                                     replay_rank, trace_load, trace_run)
 from lab_helpers.real.trace_cache import TraceCache, base_key
 
 
@@ -65,10 +65,10 @@ class TraceSession:
                 return expanded
         return self._run(batch, context, new_tokens, mesh)
 
-    def replay(self, spec, capacity_bytes, recorded_steps, mesh=None) -> dict:
+    def replay(self, spec, capacity_bytes, recorded_steps, mesh=None, make_allocator=default_allocator) -> dict:
         """replay_rank over the rank's load and the run of `spec`."""
         run = self.run(spec.batch, spec.context, spec.new_tokens, mesh)
-        return replay_rank(self._load, run, capacity_bytes, recorded_steps)
+        return replay_rank(self._load, run, capacity_bytes, recorded_steps, make_allocator)
 
-    def replay_load(self, capacity_bytes, mesh=None) -> dict:
-        return replay_rank(self.load(mesh), None, capacity_bytes, ())
+    def replay_load(self, capacity_bytes, mesh=None, make_allocator=default_allocator) -> dict:
+        return replay_rank(self.load(mesh), None, capacity_bytes, (), make_allocator)
