@@ -2,9 +2,13 @@
 on the generated standalone file (what the kit ships) and on the notebook's generated cells (what
 a notebook's kernel defines); a command-line fixture runs the standalone file and the package's
 own entry, so the generated copy is tested, not only compared."""
+import atexit
 import importlib
 import importlib.util
+import os
+import shutil
 import subprocess
+import tempfile
 import json
 import sys
 import uuid
@@ -13,6 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# predictions keep their traces under the user's cache folder: the tests' go to a folder of their own
+# (inherited by the commands they start), never to the user's
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="iteragpu-lab-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 GENERATED_TAG = "generated-from:"
 MODULE_KINDS = ("standalone", "notebook")
 COMMAND_KINDS = ("standalone", "package")

@@ -162,11 +162,17 @@ def test_the_tracer_replays_the_allocator_events_two_h200s_recorded_at_tp2():
 def test_no_process_group_is_left_behind_and_an_existing_one_is_refused():
     import torch.distributed as dist
     shape = parse_config(TINY, "tiny")
-    predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
+    from lab_helpers.real.trace_cache import TraceCache
+    cache = TraceCache(None)
+    first = predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2, trace_cache=cache)
     assert not dist.is_initialized()
     with fake_process_group(0, 2):
-        with pytest.raises(LabError, match="process group already exists"):
-            predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2)
+        with pytest.raises(LabError, match="process group already exists"):  # a trace to make needs its own
+            predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2,
+                          trace_cache=TraceCache(None))
+        # traces already made need no process group
+        assert predict_model(shape, RunSpec("tiny", context=4, new_tokens=1), tensor_parallel=2,
+                             trace_cache=cache) == first
     assert not dist.is_initialized()
 
 

@@ -6,7 +6,7 @@ free (release_cached_blocks, as empty_cache does) and retries once; if the retry
 raises torch.OutOfMemoryError. `BudgetMixin` replays exactly that against a budget: the bytes the
 allocator's segments may add up to (reserved) before cudaMalloc fails. Standard library only.
 """
-from lab_helpers.allocator.model import SMALL_REQUEST_MAX_BYTES, AllocatorModel
+from lab_helpers.allocator.model import AllocatorModel
 
 
 MAX_MEMORY_BUDGET_BYTES = 2**50  # a budget above this is refused as a bad input (far above any device)
@@ -53,52 +53,40 @@ class OutOfMemory(Exception):
 
 
 class BudgetMixin:
-    """Put before an allocator class (`class X(BudgetMixin, SomeAllocator)`): its malloc then fails
-    as a device of `budget_bytes` would (None: unbounded, the default).
+    """Put before an allocator class (`class X(BudgetMixin, SomeAllocator)`): its cudaMalloc of a new
+    segment then fails as a device of `budget_bytes` would (None: unbounded, the default).
 
-    It needs of the allocator `reserved`, `allocated` and `malloc`; `device_growth` and
-    `release_cached` below read AllocatorModel's pools and segments, and an allocator with another
-    layout (expandable segments) overrides those two. `budget_bytes` may change between phases (the
-    free memory a measurement recorded per phase). `releases` lists every release whose retry
-    succeeded: (bytes released, reserved after the release); a failed one is the OutOfMemory."""
+    It needs of the allocator AllocatorModel's hook `segment_address` (called only when no cached
+    free block fits the request, so that the best-fit choice is never changed by the budget) and
+    `release_free_segments`. `budget_bytes` may change between phases (the free memory a
+    measurement recorded per phase). `releases` lists every release whose retry succeeded: (bytes
+    released, reserved after the release); a failed one is the OutOfMemory."""
 
     budget_bytes = None
     releases = ()
 
-    def device_growth(self, request_bytes: int) -> int:
-        """Bytes of device memory (cudaMalloc) that serving this request needs now: 0 when a cached
-        free block of its pool is large enough, else the new segment's size."""
-        size = self.round_size(request_bytes)
-        if any(b.size >= size for b in self.free_blocks[size <= SMALL_REQUEST_MAX_BYTES]):
-            return 0
-        return self.segment_size(size)
-
     def release_cached(self) -> int:
         """Return every wholly free segment to the device (cudaFree); the bytes released."""
         released = 0
-        for pool in self.free_blocks.values():
-            for block in [b for b in pool if len(b.segment) == 1]:
-                pool.remove(block)
-                self.reserved -= block.size
-                released += block.size
-                self.segment_released(block)
+        for block in self.release_free_segments():
+            released += block.size
+            self.segment_released(block)
         return released
 
     def segment_released(self, block) -> None:
         """Called for each segment release_cached gives back (an address model keeps the range)."""
 
-    def malloc(self, request_bytes: int):
+    def segment_address(self, segment_bytes: int, request_bytes: int) -> int:
         budget = self.budget_bytes
-        if budget is not None:
-            growth = self.device_growth(request_bytes)
-            if growth and self.reserved + growth > budget:
-                released = self.release_cached()
-                growth = self.device_growth(request_bytes)
-                if growth and self.reserved + growth > budget:
-                    raise OutOfMemory(request_bytes, self.round_size(request_bytes), growth, self.reserved,
-                                      self.allocated, budget, released)
-                self.releases = [*self.releases, (released, self.reserved)]  # rare: a new list is cheap
-        return super().malloc(request_bytes)
+        if budget is not None and self.reserved + segment_bytes > budget:
+            # no cached block fits (else no segment would be asked for): releasing the wholly free
+            # segments changes no choice of block, only what the device has left for this one
+            released = self.release_cached()
+            if self.reserved + segment_bytes > budget:
+                raise OutOfMemory(request_bytes, self.round_size(request_bytes), segment_bytes, self.reserved,
+                                  self.allocated, budget, released)
+            self.releases = [*self.releases, (released, self.reserved)]  # rare: a new list is cheap
+        return super().segment_address(segment_bytes, request_bytes)
 
 
 class BudgetedAllocatorModel(BudgetMixin, AllocatorModel):

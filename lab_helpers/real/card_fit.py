@@ -78,7 +78,7 @@ def check_request(days, accepted_results) -> None:
 
 
 def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, accepted_results=None,
-                      fits=None, max_degree: int = CARD_MAX_DEGREE, card_name: str = "") -> dict:
+                      fits=None, max_degree: int = CARD_MAX_DEGREE, card_name: str = "", trace_cache=None) -> dict:
     """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
 
     `fits(degree, rank_budget_bytes) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}`
@@ -89,7 +89,7 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
     check_request(days, accepted_results)
     if fits is None:
         def fits(degree, budget):
-            return fits_at_degree(shape, spec, degree, budget)
+            return fits_at_degree(shape, spec, degree, budget, trace_cache)
     allowed, refused = [], {}
     for degree in range(1, max_degree + 1):
         problem = degree_problem(shape, degree)
@@ -200,11 +200,12 @@ def read_card(tariffs=None) -> tuple:
         raise LabError(str(exc)) from None
 
 
-def card_fit(shape: ModelShape, spec: RunSpec, days: int, accepted_results=None, tariffs=None) -> dict:
+def card_fit(shape: ModelShape, spec: RunSpec, days: int, accepted_results=None, tariffs=None,
+             trace_cache=None) -> dict:
     """cheapest_forfaits on the rate card file `tariffs` (default: the lab's card)."""
     check_request(days, accepted_results)
     rows, shown = read_card(tariffs)
-    return cheapest_forfaits(shape, spec, days, rows, accepted_results, card_name=shown)
+    return cheapest_forfaits(shape, spec, days, rows, accepted_results, card_name=shown, trace_cache=trace_cache)
 
 
 def table_rows(result: dict) -> list:

@@ -104,7 +104,18 @@ def add_budget_flags(p) -> None:
                         help="the GPU whose usable memory is measured now and is the budget")
 
 
+NO_CACHE_HELP = ("trace the run again: neither read nor write the traces kept in the user's cache folder "
+                 "(XDG_CACHE_HOME, else ~/.cache, then iteragpu-lab/traces)")
+
+
+def trace_cache_of(args):
+    """The traces a command reads and keeps: the user's cache folder, or with --no-cache memory only."""
+    from lab_helpers.real.trace_cache import TraceCache, default_cache
+    return TraceCache(None) if getattr(args, "no_cache", False) else default_cache()
+
+
 def add_predict_arguments(p) -> None:
+    p.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     add_run_flags(p)
     add_model_train_flags(p)
     p.add_argument("--beyond-positions", action="store_true", help=BEYOND_HELP)
@@ -135,6 +146,7 @@ def add_compare_arguments(p) -> None:
 
 def add_fit_arguments(p) -> None:
     add_run_flags(p, sizes_required=False)
+    p.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--gpu", metavar="MODEL_ID",
                         help="a model_id of the rate card data/tarifs-forfaits.csv: its budget by the rule fit --card "
@@ -195,7 +207,7 @@ def handle_predict(args) -> int:
     budget, source = predict_budget(args, spec.tensor_parallel)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
     result = predict_model(shape, spec, allocator=settings, capacity_bytes=budget, budget_source=source,
-                           report_out_of_memory=True)
+                           report_out_of_memory=True, trace_cache=trace_cache_of(args))
     if note:
         result["beyond_positions"] = note
     print_model_result(args, result, model_prediction_table)
@@ -249,7 +261,7 @@ def handle_fit(args) -> int:
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens)
-        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs)
+        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs, trace_cache_of(args))
     else:
         degree = args.tensor_parallel
         check_tensor_parallel(shape, degree)
@@ -270,7 +282,8 @@ def handle_fit(args) -> int:
                 source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
                            f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
         result = with_memory_source(fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch,
-                                              args.context, tensor_parallel=degree, allocator=settings), label)
+                                              args.context, tensor_parallel=degree, allocator=settings,
+                                              trace_cache=trace_cache_of(args)), label)
     print_model_result(args, result, model_fit_table)
     return EXIT_OK
 

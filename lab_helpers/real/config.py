@@ -224,7 +224,10 @@ def transformers_config_of(raw: dict):
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    kwargs = {k: v for k, v in raw.items() if k not in METADATA_KEYS}
+    import copy
+    # a deep copy: building the config rewrites nested blocks (rope parameters) in place, and the raw
+    # dict is what documents and trace keys show of the config
+    kwargs = {k: copy.deepcopy(v) for k, v in raw.items() if k not in METADATA_KEYS}
     for key in ("rope_parameters", "rope_scaling"):  # checked before the library warns of it on stderr
         rope = kwargs.get(key) if isinstance(kwargs.get(key), dict) else {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -89,16 +89,18 @@ def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
             "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
 
 
-def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: int) -> dict:
+def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: int, trace_cache=None) -> dict:
     """Does `spec` fit `degree` GPUs of `budget_bytes` each, the model split with transformers' plan?
 
     `budget_bytes` is what one rank's allocator may reserve (a GPU's usable memory less what
-    NCCL holds outside the allocator, when known). Every rank is predicted with no GPU, each
-    under a replayed allocator capped at the budget (see `fit`'s criterion). Returns
+    NCCL holds outside the allocator, when known). Rank 0's run is predicted with no GPU under a
+    replayed allocator capped at the budget (see `fit`'s criterion); its trace is every rank's
+    (rank_zero_replay). Returns
     {"fits": bool, "peak_reserved_bytes": int | None, "peak_allocated_bytes": int | None,
     "reason": str | None}: the peaks are the worst rank's (None when it does not fit);
     "reason" says why not (a degree the plan cannot split the model by, weights and cache
-    beyond the budget, or the rank that ran out). Raises LabError on a bad spec or budget."""
+    beyond the budget, or the rank that ran out). Raises LabError on a bad spec or budget. The traces
+    come from `trace_cache` (lab_helpers.real.trace_cache; default the user's cache folder)."""
     spec = replace(spec, tensor_parallel=1)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
@@ -116,11 +118,26 @@ def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: 
         return {**no, "reason": f"weights and key/value cache alone take {-(-held // degree)} bytes per rank"}
     from lab_helpers.real.tracer import OutOfMemory
     try:
-        prediction = predict_model(shape, spec, capacity_bytes=budget_bytes, tensor_parallel=degree)
+        overall = rank_zero_replay(shape, replace(spec, tensor_parallel=degree), budget_bytes, trace_cache)
     except OutOfMemory as exc:
         return {**no, "reason": f"out of memory in the replayed allocator: {exc}"}
-    return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
-            "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"], "reason": None}
+    return {"fits": True, "peak_reserved_bytes": overall["peak_reserved_bytes"],
+            "peak_allocated_bytes": overall["peak_allocated_bytes"], "reason": None}
+
+
+def rank_zero_replay(shape: ModelShape, spec: RunSpec, capacity_bytes: int, trace_cache=None) -> dict:
+    """The overall peaks of rank 0 of `spec` under `capacity_bytes` (OutOfMemory when it runs out), from
+    its trace (made or read once): N divides every size the plan splits (checked), so each rank's
+    local shapes are the same and the collectives symmetric, and a rank's number reaches no size of
+    this protocol: every rank's trace is rank 0's (tests/test_replay.py compares them)."""
+    from lab_helpers.real.trace_cache import default_cache
+    from lab_helpers.real.traces import ModelNeeded, TraceSession
+    session = TraceSession(shape, spec.dtype, spec.tensor_parallel, 0, trace_cache or default_cache())
+    try:
+        return session.replay(spec, capacity_bytes, ())["overall"]
+    except ModelNeeded:  # a trace is missing: rank 0's model is built in its process group
+        with fake_process_group(0, spec.tensor_parallel) as mesh:
+            return session.replay(spec, capacity_bytes, (), mesh)["overall"]
 
 
 # Every search is bounded by the model's limits (positions, MAX_TOKENS) and by a number of
@@ -164,7 +181,7 @@ def _largest(fits, high: int) -> tuple:
 
 def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
         batch=None, context=None, progress=None, tensor_parallel: int = 1,
-        allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+        allocator: AllocatorSettings = DEFAULT_SETTINGS, trace_cache=None) -> dict:
     """Does (batch, context) fit the budget, and the largest context at `batch` and batch at `context`.
 
     At tensor parallel N the budget is one GPU's (what one rank may reserve) and the search runs
@@ -179,13 +196,15 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
                    decode_record_every=new_tokens, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, tensor_parallel)
     if tensor_parallel == 1:
-        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None, allocator)
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, None, allocator,
+                           trace_cache)
     with fake_process_group(0, tensor_parallel) as mesh:
-        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh, allocator)
+        return _fit_search(shape, base, budget_bytes, budget_source, batch, context, progress, mesh, allocator,
+                           trace_cache)
 
 
 def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_source: str, batch, context,
-                progress, mesh, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
+                progress, mesh, allocator: AllocatorSettings = DEFAULT_SETTINGS, trace_cache=None) -> dict:
     dtype, new_tokens, degree = base.dtype, base.new_tokens, base.tensor_parallel
     local = replace(shape, kv_heads=shape.kv_heads // degree)  # one rank's key/value heads
     context_limit = MAX_MODEL_CONTEXT - new_tokens
@@ -198,7 +217,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     cache, predictions = {}, []
     limit = prediction_limit(new_tokens)
     try:
-        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh, allocator)
+        loaded = load_for_prediction(shape, dtype, budget_bytes, degree, mesh, allocator, trace_cache)
     except OutOfMemory:
         loaded = None  # the weights alone do not fit
 
@@ -208,6 +227,9 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
         return (b * (t + new_tokens) <= MAX_TOKENS and
                 loaded["weights_bytes"] + local.kv_cache_bytes(b, t + new_tokens, dtype) <= budget_bytes)
 
+    from lab_helpers.real.progress import progress_bar
+    bar = progress_bar(None, f"fit {shape.name}", "prediction")
+
     def fits(b, t):
         if (b, t) not in cache:
             if loaded is None or not may_fit(b, t):
@@ -215,8 +237,10 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
             else:
                 if len(predictions) >= limit:
                     raise SearchBounded
+                bar.set_postfix_str(f"batch {b}, context {t}")
                 cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
                 predictions.append((b, t))
+                bar.update()
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
         return cache[(b, t)]["fits"]
@@ -254,6 +278,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
         result["batch_bound"] = high
         if stopped:
             bounded.append("largest_batch_at_context")
+    bar.close()
     result["weights_fit"] = loaded is not None
     result["predictions_run"] = len(predictions)
     result["search_bound"] = (

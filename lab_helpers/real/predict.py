@@ -2,19 +2,21 @@
 replayed through the model of the caching allocator; and a measurement set beside its prediction.
 
 `predict_model` runs the same protocol as `measure_model` (lab_helpers.real.protocol), at tensor
-parallel N every rank in turn under torch's fake process-group backend.
+parallel N every rank in turn under torch's fake process-group backend. The run's allocation requests
+are traced once (lab_helpers.real.traces: decode steps extended from traced ones where they repeat,
+traces kept in memory and under the user's cache folder) and replayed through the allocator model of
+the settings asked (lab_helpers.real.replay), under any budget.
 """
 import contextlib
 from dataclasses import replace
 
-from lab_helpers.allocator.budget import BudgetMixin, UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
-from lab_helpers.allocator.expandable import CappedExpandableAllocator, ExpandableAllocator
+from lab_helpers.allocator.budget import UNBOUNDED_NOTE, UNRECORDED_NOTE, measured_budgets
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
-from lab_helpers.real.protocol import run_protocol
+from lab_helpers.real.replay import allocator_factory
 from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps, run_configuration
 
 CUDA_SOURCE = ("CUDA behaviour measured with torch 2.11.0+cu130 and transformers 5.17.0 on an NVIDIA H200 "
@@ -30,69 +32,20 @@ EXPANDABLE_ASSUMPTIONS = (
     "capacity is given")
 
 
-def replay_allocator_for(settings: AllocatorSettings, capacity_bytes=None):
-    """The replayed allocator of a real-model prediction under `settings`, capped at `capacity_bytes`
-    (what it may reserve) when one is given."""
-    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
-    if settings.expandable_segments:
-        # segments grow in place: no address to choose, so no AddressedAllocator counterpart
-        return ExpandableAllocator() if capacity_bytes is None else CappedExpandableAllocator(capacity_bytes,
-                                                                                               OutOfMemory)
-    return AddressedAllocator() if capacity_bytes is None else CappedAllocator(capacity_bytes)
-
-
-def set_budget(alloc, budget_bytes) -> None:
-    """The budget of the next phase: BudgetMixin's, or the expandable model's own capacity."""
-    if isinstance(alloc, BudgetMixin):
-        alloc.budget_bytes = budget_bytes
-    elif budget_bytes is not None and hasattr(alloc, "capacity_bytes"):
-        alloc.capacity_bytes = budget_bytes
-
-
 def load_for_prediction(shape: ModelShape, dtype: str, capacity_bytes=None, tensor_parallel: int = 1,
-                        mesh=None, allocator: AllocatorSettings = DEFAULT_SETTINGS) -> dict:
-    """Trace the model_load phase once; predictions of other sizes start from a copy of it.
-
-    At tensor parallel N, `mesh` is the rank's fake-backend mesh, which must stay alive
-    while the loaded model is used (its forward hooks call the mesh's process group)."""
-    import torch
-
-    from lab_helpers.real.tracer import AllocationTracer
-    tracer = AllocationTracer(replay_allocator_for(allocator, capacity_bytes))
-    loaded = {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh,
-              "allocator_settings": allocator}
-
-    def phase(name, action, index, recorded):
-        with tracer, _named_failure(name, index):
-            loaded["model"] = action()
-        tracer.collect(settled=True)
-        alloc = tracer.allocator
-        loaded["record"] = {
-            "phase": name, "index": index, "passes": 0,
-            "baseline_allocated_bytes": 0, "baseline_reserved_bytes": 0,
-            "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
-            "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
-        }
-
-    spec = RunSpec(shape.name, dtype=dtype, tensor_parallel=tensor_parallel)
-    run_protocol(shape, spec, torch.device("meta"), phase, mesh=mesh, stop_after="model_load")
-    tracer.settle()
-    # the weights live as long as the model: their blocks stay allocated in the copies
-    loaded["weights_bytes"] = sum(block.size for _, block, _ in tracer.settled.values())
-    loaded["allocator"] = tracer.allocator
-    return loaded
-
-
-@contextlib.contextmanager
-def _named_failure(name: str, index):
-    """An OutOfMemory raised inside names the phase it happened in."""
-    from lab_helpers.allocator.budget import OutOfMemory
-    try:
-        yield
-    except OutOfMemory as exc:
-        if exc.phase is None:
-            exc.phase, exc.index = name, index
-        raise
+                        mesh=None, allocator: AllocatorSettings = DEFAULT_SETTINGS, trace_cache=None,
+                        rank: int = 0) -> dict:
+    """The traces of one rank of `shape` in `dtype` (a TraceSession: the load traced or read once, each
+    size's run after it), and the load replayed under `capacity_bytes` with the allocator model of
+    `allocator` (OutOfMemory when the weights alone do not fit). At tensor parallel N, `mesh` is the
+    rank's fake-backend mesh, which must stay alive while the session traces (the model's forward
+    hooks call the mesh's process group)."""
+    from lab_helpers.real.trace_cache import default_cache
+    from lab_helpers.real.traces import TraceSession
+    session = TraceSession(shape, dtype, tensor_parallel, rank, trace_cache or default_cache())
+    weights = session.replay_load(capacity_bytes, mesh, allocator_factory(allocator))["weights_bytes"]
+    return {"dtype": dtype, "capacity_bytes": capacity_bytes, "tensor_parallel": tensor_parallel, "mesh": mesh,
+            "allocator_settings": allocator, "session": session, "weights_bytes": weights}
 
 
 @contextlib.contextmanager
@@ -114,8 +67,10 @@ def fake_process_group(rank: int, world_size: int):
 
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
                   tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None,
-                  phase_budget=None, budget_source=None, report_out_of_memory: bool = False) -> dict:
-    """Predict allocated and reserved bytes of every phase, tracing the run on the meta device.
+                  phase_budget=None, budget_source=None, report_out_of_memory: bool = False,
+                  trace_cache=None) -> dict:
+    """Predict allocated and reserved bytes of every phase: the run traced on the meta device (or its
+    trace read from `trace_cache`, default the user's cache folder), replayed through the allocator model.
 
     At tensor parallel N (`tensor_parallel`, or spec.tensor_parallel) every rank is traced in
     turn under torch's fake process-group backend, and the document has a "ranks" list (each
@@ -130,20 +85,29 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     at the failing phase and holds "out_of_memory" (the phase, the request, reserved and allocated
     then, the budget). `budget_source` says where the budget came from, in the document.
     `allocator`: the allocator settings replayed (default: `loaded`'s, else PyTorch's defaults)."""
+    from lab_helpers.real.trace_cache import default_cache
+    from lab_helpers.real.traces import ModelNeeded, TraceSession
     if allocator is None:
         allocator = loaded.get("allocator_settings", DEFAULT_SETTINGS) if loaded is not None else DEFAULT_SETTINGS
     if tensor_parallel is not None:
         spec = replace(spec, tensor_parallel=tensor_parallel)
     check_tensor_parallel(shape, spec.tensor_parallel)
     degree = spec.tensor_parallel
-    options = {"phase_budget": phase_budget, "report": report_out_of_memory}
-    if degree == 1 or loaded is not None:
-        one = _predict_rank(shape, spec, capacity_bytes, loaded, allocator=allocator, **options)
+    cache = trace_cache or default_cache()
+    options = {"allocator": allocator, "phase_budget": phase_budget, "report": report_out_of_memory}
+    if loaded is not None and (loaded["dtype"], loaded["tensor_parallel"]) == (spec.dtype, degree):
+        one = _predict_rank(shape, spec, capacity_bytes, loaded["session"], loaded["mesh"], **options)
+    elif degree == 1:
+        one = _predict_rank(shape, spec, capacity_bytes, TraceSession(shape, spec.dtype, 1, 0, cache), **options)
     else:
         ranks = []
         for rank in range(degree):
-            with fake_process_group(rank, degree) as mesh:
-                one = _predict_rank(shape, spec, capacity_bytes, None, mesh, allocator, rank=rank, **options)
+            session = TraceSession(shape, spec.dtype, degree, rank, cache)
+            try:
+                one = _predict_rank(shape, spec, capacity_bytes, session, rank=rank, **options)
+            except ModelNeeded:  # a trace is missing: the rank's model is built in its process group
+                with fake_process_group(rank, degree) as mesh:
+                    one = _predict_rank(shape, spec, capacity_bytes, session, mesh, rank=rank, **options)
             ranks.append({"rank": rank, **{key: one.pop(key) for key in ("overall", "phases", "cache_releases",
                                                                        "out_of_memory") if key in one}})
         one["overall"] = {key: max(r["overall"][key] for r in ranks) for key in ("peak_allocated_bytes",
@@ -165,86 +129,40 @@ def _budget_block(capacity_bytes, source, per_phase: bool) -> dict:
     return {"bytes": None, "source": None, "note": UNBOUNDED_NOTE}
 
 
-def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, loaded, mesh=None,
+def _predict_rank(shape: ModelShape, spec: RunSpec, capacity_bytes, session, mesh=None,
                   allocator: AllocatorSettings = DEFAULT_SETTINGS, rank: int = 0, phase_budget=None,
                   report: bool = False) -> dict:
-    import copy
-
-    import torch
-
-    from lab_helpers.allocator.budget import OutOfMemory
-    from lab_helpers.real.tracer import AllocationTracer
-    load_budget = phase_budget(rank, "model_load", None) if phase_budget else capacity_bytes
-    if (loaded is None or loaded["dtype"] != spec.dtype or loaded["capacity_bytes"] != load_budget
-            or loaded["tensor_parallel"] != spec.tensor_parallel or loaded.get("allocator_settings", DEFAULT_SETTINGS) != allocator):
-        try:
-            loaded = load_for_prediction(shape, spec.dtype, load_budget, spec.tensor_parallel, mesh, allocator)
-        except OutOfMemory as exc:
-            if not report:
-                raise
-            return _out_of_memory_document(spec, shape, [], {"peak_allocated_bytes": exc.allocated_bytes,
-                                                             "peak_reserved_bytes": exc.reserved_bytes},
-                                           exc, [])
-    tracer = AllocationTracer(copy.deepcopy(loaded["allocator"]))
-    alloc = tracer.allocator
-    phases = [dict(loaded["record"])]
-    totals = {"peak_allocated_bytes": loaded["record"]["peak_allocated_bytes"],
-              "peak_reserved_bytes": loaded["record"]["peak_reserved_bytes"]}
-    releases = [{"phase": "model_load", "index": None, "released_bytes": r, "reserved_bytes_after": after}
-                for r, after in getattr(alloc, "releases", ())]
-
-    def phase(name, action, index, recorded):
-        tracer.collect()
-        set_budget(alloc, phase_budget(rank, name, index) if phase_budget else capacity_bytes)
-        base_allocated, base_reserved = alloc.allocated, alloc.reserved
-        seen = len(getattr(alloc, "releases", ()))
-        alloc.reset_peaks()
-        try:
-            with tracer, _named_failure(name, index):
-                action()
-        finally:
-            releases.extend({"phase": name, "index": index, "released_bytes": r, "reserved_bytes_after": after}
-                            for r, after in getattr(alloc, "releases", ())[seen:])
-        tracer.collect()
-        totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
-        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
-        if recorded:
-            phases.append({
-                "phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
-                "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
-                "end_allocated_bytes": alloc.allocated, "end_reserved_bytes": alloc.reserved,
-                "peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved,
-            })
-
-    try:
-        run_protocol(shape, spec, torch.device("meta"), phase, model=loaded["model"], mesh=loaded["mesh"])
-    except OutOfMemory as exc:
-        if not report:
-            raise
-        totals["peak_allocated_bytes"] = max(totals["peak_allocated_bytes"], alloc.peak_allocated)
-        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], alloc.peak_reserved)
-        document = _out_of_memory_document(spec, shape, phases, totals, exc, releases)
-        document["workspace"] = {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE}
-        _where_the_bytes_go(document, replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel), spec,
-                            loaded["weights_bytes"], tracer.workspace_bytes)
+    budgets = None if phase_budget is None else (lambda name, index: phase_budget(rank, name, index))
+    replayed = session.replay(spec, capacity_bytes, recorded_steps(spec.new_tokens, spec.decode_record_every), mesh,
+                              allocator_factory(allocator), budgets, report)
+    failure = replayed["out_of_memory"]
+    if failure is not None and replayed["load_failed"]:
+        return _out_of_memory_document(spec, shape, [], {"peak_allocated_bytes": failure.allocated_bytes,
+                                                         "peak_reserved_bytes": failure.reserved_bytes}, failure, [])
+    workspace = replayed["workspace_bytes"]
+    # a rank's key/value cache holds its own heads: num_key_value_heads / N
+    local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
+    if failure is not None:
+        document = _out_of_memory_document(spec, shape, replayed["phases"], replayed["overall"], failure,
+                                           replayed["releases"])
+        document["workspace"] = {"bytes": workspace, "source": CUDA_SOURCE}
+        _where_the_bytes_go(document, local, spec, replayed["weights_bytes"], workspace)
         return document
     prediction = {
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
         "configuration": run_configuration(spec),
         "model": model_description(shape, spec.dtype),
-        "workspace": {"bytes": tracer.workspace_bytes, "source": CUDA_SOURCE},
+        "workspace": {"bytes": workspace, "source": CUDA_SOURCE},
         "assumptions": EXPANDABLE_ASSUMPTIONS if allocator.expandable_segments else REAL_MODEL_ASSUMPTIONS,
-        "overall": totals,
-        "phases": phases,
+        "overall": replayed["overall"],
+        "phases": replayed["phases"],
     }
     if phase_budget is not None or capacity_bytes is not None:  # without a budget nothing is released
-        prediction["cache_releases"] = releases
+        prediction["cache_releases"] = replayed["releases"]
     if allocator.expandable_segments:  # PyTorch's defaults keep the document as it always was
         prediction["allocator_conf"] = allocator.conf_text()
-    # a rank's key/value cache holds its own heads: num_key_value_heads / N
-    local = replace(shape, kv_heads=shape.kv_heads // spec.tensor_parallel)
-    _where_the_bytes_go(prediction, local, spec, loaded["weights_bytes"], tracer.workspace_bytes)
+    _where_the_bytes_go(prediction, local, spec, replayed["weights_bytes"], workspace)
     return prediction
 
 

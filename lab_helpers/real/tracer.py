@@ -151,7 +151,7 @@ class AllocationTracer(TorchDispatchMode):
         self.settled = {}
         self.cublas_ready = False
         self.cublaslt_ready = False
-        self.workspace_bytes = 0  # held by cuBLAS/cuBLASLt for the process's life
+        self.persistent = []  # the blocks cuBLAS/cuBLASLt hold for the process's life
         self.requests = 0
         self.layouts = {}  # (op, input layouts) -> output layouts, see _run
 
@@ -181,6 +181,10 @@ class AllocationTracer(TorchDispatchMode):
         self.collect(settled=True)
         self.settled.update(self.live)
         self.live.clear()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(block.size for block in self.persistent)
 
     def live_bytes(self) -> int:
         return sum(n for table in (self.live, self.settled) for _, _, n in table.values())
@@ -217,7 +221,7 @@ class AllocationTracer(TorchDispatchMode):
     def _persistent(self, nbytes: int) -> None:
         if nbytes > 0:
             self.collect()
-            self.workspace_bytes += self.allocator.malloc(nbytes).size  # held for the process's life
+            self.persistent.append(self.allocator.malloc(nbytes))  # held for the process's life
 
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -340,19 +344,14 @@ class AddressedAllocator(AllocatorModel):
         self.top = self.TOP
         self.holes = []  # (start, size) of address ranges given back by released large segments
 
-    def malloc(self, request_bytes: int):
-        reserved, base = self.reserved, self.next_address
-        block = super().malloc(request_bytes)
-        grown = self.reserved - reserved
-        if grown > LARGE_SEGMENT_BYTES:
-            start = self._take_hole(grown)
-            if start is None:
-                self.top -= grown
-                start = self.top
-            for member in block.segment:
-                member.address += start - base
-            self.next_address = base
-        return block
+    def segment_address(self, segment_bytes: int, request_bytes: int) -> int:
+        if segment_bytes <= LARGE_SEGMENT_BYTES:
+            return super().segment_address(segment_bytes, request_bytes)
+        start = self._take_hole(segment_bytes)
+        if start is None:
+            self.top -= segment_bytes
+            start = self.top
+        return start
 
     def _take_hole(self, size: int):
         """Top-down: the highest released range that fits, at its top end."""

@@ -1,0 +1,124 @@
+"""How long the buyer's questions take, as ratios to importing torch and transformers, cold (no trace
+kept) and warm (the same question again, its traces read from the cache folder).
+
+    python benchmarks/fast_answers.py [--cases predict-70b,card-8b,fit-70b] [--repeats 1] [--check-exact]
+        [--repository PATH]
+
+Each figure is a fresh process (`python -m lab_helpers.real_model ...`) with its own empty cache
+folder (XDG_CACHE_HOME) for the cold run, kept for the warm one; beside it the median of
+`python -c "import torch, transformers"` in the same run (the floor of any answer). A seconds bound
+holds only on an idle machine, so the ratios are the figures to compare; the seconds are printed
+too, with the machine's load (os.getloadavg) before and after. --repository runs the commands of
+another checkout (an older version, for a before/after). --check-exact replays each case's fast
+trace (decode steps extended from four traced ones) and its full trace (every step traced) in this
+process and checks the predictions are byte-identical (long: the full trace runs every step on meta).
+Prints one JSON object; not a test.
+"""
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lab_helpers.core.cli import CommandParser  # noqa: E402
+from lab_helpers.core.numbers import whole_number  # noqa: E402
+
+IMPORT_ONLY = ["-c", "import torch, transformers"]
+# name -> (the command's arguments, (config, batch, context, new tokens, degrees) of its predictions)
+CASES = {
+    "predict-70b": (["predict", "--config", "llama-3.1-70b", "--batch", "1", "--context", "32768",
+                     "--new-tokens", "256", "--decode-record-every", "256"],
+                    ("llama-3.1-70b", 1, 32768, 256, (1,))),
+    "card-8b": (["fit", "--card", "--config", "llama-3.1-8b", "--dtype", "bfloat16", "--batch", "4",
+                 "--context", "8192", "--new-tokens", "256", "--days", "7"],
+                ("llama-3.1-8b", 4, 8192, 256, (1, 2))),
+    "fit-70b": (["fit", "--config", "llama-3.1-70b", "--gpu", "h200-sxm", "--batch", "1", "--context", "8192",
+                 "--new-tokens", "256"], None),
+}
+
+
+def timed(argv: list, env: dict, repository: Path) -> tuple:
+    """(wall seconds, child CPU seconds, child peak RSS in KiB) of a fresh Python process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, *argv], cwd=repository, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env={**os.environ, **env, "PYTHONPATH": str(repository)})
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"fast_answers: error: {' '.join(argv[:4])} exited {proc.returncode}: "
+                         f"{(proc.stderr.strip().splitlines() or [''])[-1]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, cpu, after.ru_maxrss
+
+
+def exact(case: tuple) -> dict:
+    """The fast and the full trace of each prediction of a case, replayed: identical?"""
+    from lab_helpers.real.config import load_config
+    from lab_helpers.real.predict import fake_process_group
+    from lab_helpers.real.replay import replay_rank
+    from lab_helpers.real.spec import recorded_steps
+    from lab_helpers.real.trace_cache import TraceCache
+    from lab_helpers.real.traces import TraceSession
+    name, batch, context, new_tokens, degrees = case
+    shape, steps, out = load_config(name), recorded_steps(new_tokens, 1), {}
+    for degree in degrees:
+        answers = []
+        for expand in (True, False):
+            session = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None), expand=expand)
+            if degree == 1:
+                run = session.run(batch, context, new_tokens)
+            else:
+                with fake_process_group(0, degree) as mesh:
+                    run = session.run(batch, context, new_tokens, mesh)
+            answers.append(json.dumps(replay_rank(session.load(), run, None, steps), sort_keys=True))
+        out[f"degree {degree}"] = answers[0] == answers[1]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = CommandParser(prog="fast_answers", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="predict-70b,card-8b,fit-70b",
+                        help=f"comma-separated, of {', '.join(CASES)} (default all)")
+    parser.add_argument("--repeats", type=whole_number(1, 20), default=1, help="runs of each side (default 1)")
+    parser.add_argument("--check-exact", action="store_true", help="also check the fast trace against the full one")
+    parser.add_argument("--repository", default=str(ROOT), help="the checkout whose commands run (default this one)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case {unknown[0]!r}; valid: {', '.join(CASES)}")
+    repository = Path(args.repository)
+    report = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}, "cases": {}}
+    imports = [timed(IMPORT_ONLY, {}, repository)[0] for _ in range(max(3, args.repeats))]
+    import_seconds = statistics.median(imports)
+    report["import_torch_transformers_seconds"] = round(import_seconds, 3)
+    for name in names:
+        command = ["-m", "lab_helpers.real_model", *CASES[name][0]]
+        runs = {"cold": [], "warm": []}
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix="fast-answers-") as folder:
+                runs["cold"].append(timed(command, {"XDG_CACHE_HOME": folder}, repository))
+                runs["warm"].append(timed(command, {"XDG_CACHE_HOME": folder}, repository))
+        entry = {}
+        for kind, measured in runs.items():
+            seconds = statistics.median(m[0] for m in measured)
+            entry[kind] = {"seconds": round(seconds, 3), "ratio_to_import": round(seconds / import_seconds, 2),
+                           "cpu_seconds": round(statistics.median(m[1] for m in measured), 3),
+                           "largest_child_rss_kib_so_far": max(m[2] for m in measured)}
+        if args.check_exact and CASES[name][1] is not None:
+            entry["fast_equals_full_trace"] = exact(CASES[name][1])
+        report["cases"][name] = {"command": " ".join(CASES[name][0]), **entry}
+    report["machine"]["load_after"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The fast path (decode steps extended from four traced ones, traces read back from the cache) against
+measurements on a CUDA GPU (marker `gpu`), at runs long enough to be extended (more than four new
+tokens): every counter of every recorded phase as the acceptance points require, and the prediction
+byte-identical to the one of the full trace.
+
+    ITERAGPU_TEST_DEVICE=cuda:0 python3 -m pytest -o addopts= -m gpu tests/test_gpu_fast_path.py
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from lab_helpers.core.numbers import parse_device  # noqa: E402
+from lab_helpers.real.config import load_config  # noqa: E402
+from lab_helpers.real.predict import compare_model  # noqa: E402
+from lab_helpers.real.replay import replay_rank  # noqa: E402
+from lab_helpers.real.spec import recorded_steps  # noqa: E402
+from lab_helpers.real.trace_cache import TraceCache  # noqa: E402
+from lab_helpers.real.traces import TraceSession  # noqa: E402
+
+TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
+if "CUDA_VISIBLE_DEVICES" in os.environ:
+    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
+else:
+    CHILD_ENV, CHILD_DEVICE = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}, "cuda:0"
+
+# (config, batch, context, new tokens, decode_record_every): a few seconds each on an H200
+POINTS = [("qwen1.5-0.5b", 2, 1000, 16, 1), ("llama-3.1-8b", 1, 2048, 12, 1), ("qwen2.5-7b", 4, 512, 10, 3)]
+
+
+@pytest.mark.parametrize("config,batch,context,new_tokens,every", POINTS)
+def test_the_fast_path_matches_the_measurement_and_the_full_trace(tmp_path, config, batch, context, new_tokens,
+                                                                  every):
+    out = tmp_path / "m.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab_helpers.real_model", "measure", "--config", config, "--dtype", "bfloat16",
+         "--batch", str(batch), "--context", str(context), "--new-tokens", str(new_tokens),
+         "--decode-record-every", str(every), "--device", CHILD_DEVICE, "--output", str(out)],
+        cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    document = json.loads(out.read_text())
+    result = compare_model(document)  # through the fast path: the steps past the fourth extended
+    for row in result["rows"]:
+        where = f"{row['phase']} {row['index']}"
+        for key in ("baseline_allocated_bytes", "end_allocated_bytes"):
+            assert row[f"difference_{key}"] == 0, (where, key, row)
+        peak = row["measured_peak_allocated_bytes"]
+        assert abs(row["difference_peak_allocated_bytes"]) <= peak * 0.001, (where, row)
+        reserved = row["measured_peak_reserved_bytes"]
+        assert abs(row["difference_peak_reserved_bytes"]) <= reserved * 0.01, (where, row)
+    shape, steps = load_config(config), recorded_steps(new_tokens, every)
+    fast = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None), expand=True)
+    full = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None), expand=False)
+    assert fast.run(batch, context, new_tokens).phases == full.run(batch, context, new_tokens).phases
+    assert fast.traced == [(batch, context, 4)] and full.traced == [(batch, context, new_tokens)]
+    assert (json.dumps(replay_rank(fast.load(), fast.run(batch, context, new_tokens), None, steps), sort_keys=True)
+            == json.dumps(replay_rank(full.load(), full.run(batch, context, new_tokens), None, steps), sort_keys=True))

@@ -1,0 +1,304 @@
+"""Trace once, replay many: decode steps extended from four traced ones give the same request
+sequence, byte for byte, as tracing every step, on a table of models and sizes (tensor parallel 1
+and 2); what cannot be extended is traced whole; the trace cache never trusts a bad file."""
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from lab_helpers.core.errors import LabError
+from lab_helpers.real.config import load_config, parse_config
+from lab_helpers.real.predict import fake_process_group, predict_model
+from lab_helpers.real.replay import (TRACED_DECODE_STEPS, RunTrace, decode_expandable, expand_decode,
+                                     replay_rank)
+from lab_helpers.real.spec import RunSpec, recorded_steps
+from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
+from lab_helpers.real.traces import TraceSession
+from lab_helpers.real.tracer import OutOfMemory
+
+MIB = 2**20
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 5, "vocab_size": 1000, "max_position_embeddings": 4096}
+ODD = {"model_type": "qwen2", "hidden_size": 96, "intermediate_size": 200, "num_attention_heads": 6,
+       "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 1517, "max_position_embeddings": 4096}
+MISTRAL = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 300, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "num_hidden_layers": 3, "vocab_size": 3001, "max_position_embeddings": 4096,
+           "sliding_window": None}
+BIASED = dict(TINY, attention_bias=True, tie_word_embeddings=True, vocab_size=151936)
+
+
+def shape_of(name):
+    configs = {"tiny": TINY, "odd": ODD, "odd-even-vocabulary": dict(ODD, vocab_size=1518), "mistral": MISTRAL,
+               "mistral-even-vocabulary": dict(MISTRAL, vocab_size=3000),
+               "biased": BIASED}
+    return parse_config(configs[name], name) if name in configs else load_config(name)
+
+
+# (model, dtype, batch, context, new tokens, tensor parallel): every family the lab accepts, odd
+# sizes, a key/value tensor crossing 1 MiB (small pool to large) during decode, a large vocabulary
+# (argmax staging), float32 (the math attention)
+CASES = [
+    ("tiny", "bfloat16", 1, 16, 9, 1),
+    ("tiny", "float32", 3, 37, 11, 1),
+    ("tiny", "bfloat16", 2, 4093, 13, 1),
+    ("odd", "bfloat16", 5, 61, 10, 1),
+    ("odd-even-vocabulary", "float16", 1, 255, 7, 2),
+    ("mistral", "bfloat16", 2, 127, 12, 1),
+    ("mistral-even-vocabulary", "float32", 1, 9, 6, 2),
+    ("tiny", "bfloat16", 3, 129, 8, 2),
+    ("biased", "bfloat16", 2, 33, 9, 1),
+    ("qwen1.5-0.5b", "bfloat16", 1, 509, 8, 1),
+    ("qwen1.5-0.5b", "bfloat16", 2, 1023, 6, 2),
+]
+
+
+def sessions(shape, dtype, degree, rank, mesh=None):
+    fast = TraceSession(shape, dtype, degree, rank, TraceCache(None), expand=True)
+    full = TraceSession(shape, dtype, degree, rank, TraceCache(None), expand=False)
+    return fast, full
+
+
+@pytest.mark.parametrize("name, dtype, batch, context, new_tokens, degree", CASES)
+def test_extended_decode_steps_equal_the_full_trace(name, dtype, batch, context, new_tokens, degree):
+    shape = shape_of(name)
+    assert decode_expandable(shape) and new_tokens > TRACED_DECODE_STEPS
+    steps = recorded_steps(new_tokens, 3)
+    for rank in range(degree):
+        if degree == 1:
+            fast, full = sessions(shape, dtype, 1, 0)
+            fast_run, full_run = fast.run(batch, context, new_tokens), full.run(batch, context, new_tokens)
+        else:
+            with fake_process_group(rank, degree) as mesh:
+                fast, full = sessions(shape, dtype, degree, rank)
+                fast_run = fast.run(batch, context, new_tokens, mesh)
+                full_run = full.run(batch, context, new_tokens, mesh)
+        assert fast.traced == [(batch, context, TRACED_DECODE_STEPS)]  # four steps traced, the rest extended
+        assert full.traced == [(batch, context, new_tokens)]
+        assert fast.load().events == full.load().events
+        assert fast_run.phases == full_run.phases  # the same requests and releases, in the same order
+        assert fast_run.persistent == full_run.persistent
+        free = replay_rank(full.load(), full_run, None, steps)
+        assert replay_rank(fast.load(), fast_run, None, steps) == free
+        # capped below the free run's peak: both run out at the same request, or both fit the same way
+        cap = free["overall"]["peak_reserved_bytes"] - 2 * MIB
+        outcomes = []
+        for session, run in ((fast, fast_run), (full, full_run)):
+            try:
+                outcomes.append(replay_rank(session.load(), run, cap, steps))
+            except OutOfMemory as exc:
+                outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("name, degree", [("tiny", 2), ("odd-even-vocabulary", 2), ("mistral-even-vocabulary", 2), ("mistral-even-vocabulary", 4)])
+def test_every_rank_traces_what_rank_zero_traces(name, degree):
+    """What fits_at_degree and fit rely on to replay rank 0's trace for every rank."""
+    shape = shape_of(name)
+    traces = []
+    for rank in range(degree):
+        with fake_process_group(rank, degree) as mesh:
+            session = TraceSession(shape, "bfloat16", degree, rank, TraceCache(None))
+            run = session.run(3, 45, 6, mesh)
+            traces.append((session.load(), run.phases, run.persistent))
+    assert all(t == traces[0] for t in traces[1:])
+
+
+def test_a_prediction_through_the_cache_equals_one_traced_whole(tmp_path):
+    shape = shape_of("odd")
+    spec = RunSpec("odd", batch=2, context=100, new_tokens=9, decode_record_every=2)
+    first = predict_model(shape, spec, trace_cache=TraceCache(tmp_path))
+    again = predict_model(shape, spec, trace_cache=TraceCache(tmp_path))  # read from disk, nothing traced
+    session = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None), expand=False)
+    whole = replay_rank(session.load(), session.run(2, 100, 9), None, recorded_steps(9, 2))
+    assert json.dumps(first, sort_keys=True) == json.dumps(again, sort_keys=True)
+    assert [{k: p[k] for k in w} for p, w in zip(first["phases"], whole["phases"])] == whole["phases"]
+    assert first["overall"] == whole["overall"] and first["workspace"]["bytes"] == whole["workspace_bytes"]
+
+
+def test_decode_record_every_changes_no_trace():
+    shape = shape_of("tiny")
+    cache = TraceCache(None)
+    one = predict_model(shape, RunSpec("tiny", batch=2, context=50, new_tokens=20), trace_cache=cache)
+    names = set(cache.memory)
+    five = predict_model(shape, RunSpec("tiny", batch=2, context=50, new_tokens=20, decode_record_every=5),
+                         trace_cache=cache)
+    assert set(cache.memory) == names  # the same traces answered both
+    assert one["overall"] == five["overall"]
+    by_step = {p["index"]: p for p in one["phases"] if p["phase"] == "decode"}
+    assert [p for p in five["phases"] if p["phase"] == "decode"] == [by_step[s] for s in recorded_steps(20, 5)]
+
+
+# ------------------------------------------------------------------ what is not extended
+@pytest.mark.parametrize("changes", [
+    {"layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"]},
+    {"use_sliding_window": True, "sliding_window": 64},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+])
+def test_runs_whose_steps_may_change_are_not_extended(changes):
+    shape = shape_of("tiny")
+    assert not decode_expandable(replace(shape, raw={**shape.raw, **changes}))
+    assert not decode_expandable(replace(shape, model_type="gemma2"))
+
+
+def test_an_unexpandable_model_is_traced_whole(monkeypatch):
+    from lab_helpers.real import replay, traces
+    shape = shape_of("tiny")
+    monkeypatch.setattr(replay, "EXPANDABLE_FAMILIES", ())  # no family checked to repeat
+    session = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None))
+    run = session.run(1, 8, 7)
+    assert session.traced == [(1, 8, 7)] and run.decode_steps == 7
+    monkeypatch.undo()
+    monkeypatch.setattr(traces, "expand_decode", lambda trace, n: None)  # steps that do not repeat
+    session = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None))
+    assert session.run(1, 8, 7).decode_steps == 7
+    assert session.traced == [(1, 8, TRACED_DECODE_STEPS), (1, 8, 7)]
+
+
+def _steps(*own):
+    return RunTrace([("inputs", None, [], [64]), ("prefill", None, [], [512, ~1])] +
+                    [("decode", i, [], list(events)) for i, events in enumerate(own)], [], len(own))
+
+
+def test_steps_that_are_not_affine_are_not_extended():
+    base = _steps([100, ~3], [100, 200, ~4, ~5], [100, 201, ~6, ~7], [100, 202, ~8, ~9])
+    grown = expand_decode(base, 6)
+    assert [p[3] for p in grown.phases[-2:]] == [[100, 203, ~10, ~11], [100, 204, ~12, ~13]]
+    for own in ([100, 200, ~4, ~5], [100, 201, ~6, ~7], [100, 203, ~8, ~9]), \
+               ([100, 200, ~4, ~5], [100, 201, ~6, ~7], [100, 202, ~8]), \
+               ([100, 200, ~4, ~5], [100, 201, ~6, ~7], [100, 202, ~8, ~8]), \
+               ([100, 200, ~4, ~5], [100, 201, ~6, ~7], [100, ~7, 202, ~9]):
+        assert expand_decode(_steps([100, ~3], *own), 6) is None
+    shrinking = _steps([100, ~3], [100, 3, ~4, ~5], [100, 2, ~6, ~7], [100, 1, ~8, ~9])
+    assert expand_decode(shrinking, 6) is None  # a request would reach 0 bytes
+    assert expand_decode(base, 3).decode_steps == 3 and len(expand_decode(base, 3).phases) == 5
+
+
+# ------------------------------------------------------------------ the cache on disk
+def _entry(tmp_path):
+    shape = shape_of("tiny")
+    cache = TraceCache(tmp_path)
+    session = TraceSession(shape, "bfloat16", 1, 0, cache)
+    run = session.run(2, 30, 6)
+    files = sorted(tmp_path.glob("*.trace"))
+    assert len(files) == 2 and not list(tmp_path.glob(".*"))  # the load and the run; no temporary left
+    return shape, session, run, files
+
+
+def test_a_cache_entry_is_read_back_as_written(tmp_path):
+    shape, session, run, files = _entry(tmp_path)
+    fresh = TraceSession(shape, "bfloat16", 1, 0, TraceCache(tmp_path))
+    assert fresh.run(2, 30, 6).phases == run.phases and fresh.traced == [] and fresh.model is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty", "garbage", "magic only", "folder",
+                                    "foreign key", "fifo", "wrong layout"])
+def test_a_bad_cache_entry_is_ignored_and_rebuilt(tmp_path, damage):
+    shape, session, run, files = _entry(tmp_path)
+    key = {**session.key, "kind": "run", "batch": 2, "context": 30, "decode_steps": TRACED_DECODE_STEPS}
+    path = tmp_path / TraceCache._name(key)
+    assert path in files
+    data = path.read_bytes()
+    path.unlink()
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "flipped":
+        path.write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(5000))
+    elif damage == "magic only":
+        path.write_bytes(MAGIC)
+    elif damage == "folder":
+        path.mkdir()
+    elif damage == "foreign key":  # a whole, intact entry of another key under this name
+        path.write_bytes(encode_entry({**key, "batch": 3}, run))
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "wrong layout":
+        bad = RunTrace([("warmup", None, [1], [2])], [], 0)
+        path.write_bytes(encode_entry(key, bad))
+    fresh = TraceSession(shape, "bfloat16", 1, 0, TraceCache(tmp_path))
+    again = fresh.run(2, 30, 6)
+    assert again.phases == run.phases
+    assert fresh.traced == [(2, 30, TRACED_DECODE_STEPS)]  # traced again, not read
+    if damage not in ("folder", "fifo"):
+        assert decode_entry(path.read_bytes(), key) is not None  # rewritten whole
+
+
+def test_the_cache_folder_is_trimmed_oldest_first(tmp_path):
+    shape = shape_of("tiny")
+    TraceSession(shape, "bfloat16", 1, 0, TraceCache(tmp_path)).run(1, 8, 2)
+    TraceSession(shape, "float32", 1, 0, TraceCache(tmp_path)).run(1, 8, 2)
+    files = sorted(tmp_path.glob("*.trace"))
+    assert len(files) == 4
+    for age, path in enumerate(files):  # the last one in name order is the newest
+        os.utime(path, (1000 + age, 1000 + age))
+    keep = files[-1].stat().st_size + files[-2].stat().st_size
+    TraceCache(tmp_path, max_bytes=keep).trim()
+    assert sorted(tmp_path.glob("*.trace")) == files[-2:]
+    TraceCache(tmp_path, max_bytes=0).trim()
+    assert not list(tmp_path.glob("*.trace"))
+
+
+def test_no_cache_writes_nothing_and_the_cache_answers_the_same(tmp_path, capsys):
+    from lab_helpers.real.commands import main
+    env_before = os.environ["XDG_CACHE_HOME"]
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path)
+    try:
+        argv = ["predict", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "64", "--new-tokens", "6"]
+        assert main(argv + ["--no-cache"]) == 0
+        uncached = capsys.readouterr().out
+        assert not (tmp_path / "iteragpu-lab").exists()
+        assert main(argv) == 0
+        assert capsys.readouterr().out == uncached
+        assert len(list((tmp_path / "iteragpu-lab" / "traces").glob("*.trace"))) == 2
+        assert main(argv) == 0
+        assert capsys.readouterr().out == uncached
+    finally:
+        os.environ["XDG_CACHE_HOME"] = env_before
+
+
+def test_a_cache_folder_that_cannot_be_written_changes_no_answer(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    shape = shape_of("tiny")
+    spec = RunSpec("tiny", batch=1, context=8, new_tokens=5)
+    assert predict_model(shape, spec, trace_cache=TraceCache(blocker / "sub")) == \
+        predict_model(shape, spec, trace_cache=TraceCache(None))
+
+
+def test_a_bad_budget_is_refused_before_any_trace():
+    from lab_helpers.real.fit import fits_at_degree
+    with pytest.raises(LabError):
+        fits_at_degree(shape_of("tiny"), RunSpec("tiny"), 1, 0, TraceCache(None))
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch):
+    import io
+
+    from lab_helpers.real.progress import PROGRESS_DELAY_SECONDS, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with progress_bar(3, "quiet") as bar:
+        bar.update()
+        assert bar.disable
+    assert not __import__("sys").stderr.getvalue()
+    monkeypatch.setattr("sys.stderr", Terminal())
+    with progress_bar(3, "shown") as bar:
+        assert not bar.disable and bar.delay == PROGRESS_DELAY_SECONDS  # drawn once two seconds have passed
+
+
+def test_tracing_leaves_the_config_as_given():
+    """The trace key and the documents show shape.raw: building the model must not rewrite it."""
+    import copy
+    shape = load_config("llama-3.1-8b")  # a rope block (llama3) that the config's construction rewrites
+    before = copy.deepcopy(shape.raw)
+    from lab_helpers.real.protocol import transformers_config
+    transformers_config(shape)
+    assert shape.raw == before
