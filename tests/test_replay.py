@@ -4,14 +4,16 @@ and 2); what cannot be extended is traced whole; the trace cache never trusts a 
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from lab_helpers.allocator.settings import DEFAULT_SETTINGS, allocator_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import load_config, parse_config
 from lab_helpers.real.predict import fake_process_group, predict_model
 from lab_helpers.real.replay import (TRACED_DECODE_STEPS, RunTrace, decode_expandable, expand_decode,
-                                     replay_rank)
+                                     replay_rank, traced_decode_steps)
 from lab_helpers.real.spec import RunSpec, recorded_steps
 from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
 from lab_helpers.real.traces import TraceSession
@@ -26,12 +28,43 @@ MISTRAL = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 300
            "num_key_value_heads": 4, "num_hidden_layers": 3, "vocab_size": 3001, "max_position_embeddings": 4096,
            "sliding_window": None}
 BIASED = dict(TINY, attention_bias=True, tie_word_embeddings=True, vocab_size=151936)
+# a key/value cache that outgrows what the prefill left free: reserved grows in late decode steps
+KV_HEAVY = dict(TINY, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_hidden_layers=2)
+
+
+MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
+
+
+def reduced(name: str, layers: int = 2, **changes) -> dict:
+    """A bundled config of data/models with `layers` layers (its layer types cut to match) and `changes`."""
+    raw = json.loads((MODELS / f"{name}.json").read_text())
+    raw["n_layer" if "n_layer" in raw else "num_hidden_layers"] = layers
+    if raw.get("layer_types"):
+        raw["layer_types"] = raw["layer_types"][:layers]
+    return {**raw, **changes}
+
+
+REDUCED = {
+    "llama-3.1-8b/2": reduced("llama-3.1-8b"),
+    "qwen3-8b/2": reduced("qwen3-8b"),
+    "olmo-2-7b/2": reduced("olmo-2-7b"),
+    "pythia-1.4b/2": reduced("pythia-1.4b"),
+    "gpt2/2": reduced("gpt2"),  # learned positions, a bias on every product (cuBLASLt)
+    "mixtral-8x7b/2": reduced("mixtral-8x7b"),  # a mixture of experts
+    "qwen3-30b-a3b/2": reduced("qwen3-30b-a3b"),
+    "qwen1.5-moe-a2.7b/2": reduced("qwen1.5-moe-a2.7b"),  # experts and a shared expert
+    "mistral-7b-v0.1/2,window-64": reduced("mistral-7b-v0.1", sliding_window=64),
+    "phi-3-mini-4k/2": reduced("phi-3-mini-4k"),  # window 2047
+    "gemma-2-2b/2": reduced("gemma-2-2b"),  # one sliding layer (4096), one full; torch.tensor scalars
+    "gemma-3-4b-text/2,window-16": reduced("gemma-3-4b-text", layer_types=["sliding_attention", "full_attention"],
+                                           sliding_window=16),
+}
 
 
 def shape_of(name):
     configs = {"tiny": TINY, "odd": ODD, "odd-even-vocabulary": dict(ODD, vocab_size=1518), "mistral": MISTRAL,
                "mistral-even-vocabulary": dict(MISTRAL, vocab_size=3000),
-               "biased": BIASED}
+               "biased": BIASED, "kv-heavy": KV_HEAVY, **REDUCED}
     return parse_config(configs[name], name) if name in configs else load_config(name)
 
 
@@ -91,6 +124,107 @@ def test_extended_decode_steps_equal_the_full_trace(name, dtype, batch, context,
         assert outcomes[0] == outcomes[1]
 
 
+# (model, dtype, batch, context, new tokens, tensor parallel, extended?): the families of data/models
+# reduced to two layers, odd sizes, windows reached before the first decode step, never reached, or
+# reached mid-run (traced whole: not extended)
+DOCUMENT_CASES = [
+    ("llama-3.1-8b/2", "bfloat16", 3, 37, 9, 1, True),
+    ("llama-3.1-8b/2", "bfloat16", 2, 129, 7, 2, True),
+    ("qwen3-8b/2", "float16", 1, 255, 8, 2, True),
+    ("olmo-2-7b/2", "bfloat16", 5, 17, 6, 1, True),
+    ("pythia-1.4b/2", "float32", 2, 61, 7, 1, True),
+    ("gpt2/2", "bfloat16", 3, 101, 9, 1, True),
+    ("mixtral-8x7b/2", "bfloat16", 3, 23, 7, 1, True),
+    ("qwen3-30b-a3b/2", "bfloat16", 2, 45, 6, 2, True),
+    ("qwen1.5-moe-a2.7b/2", "bfloat16", 1, 33, 8, 1, True),
+    ("mistral-7b-v0.1/2,window-64", "bfloat16", 2, 27, 9, 1, True),
+    ("phi-3-mini-4k/2", "bfloat16", 1, 2051, 9, 1, True),
+    ("gemma-2-2b/2", "bfloat16", 2, 50, 10, 1, True),
+    ("gemma-3-4b-text/2,window-16", "bfloat16", 2, 30, 9, 1, True),  # cropped from the prefill on
+    ("gemma-3-4b-text/2,window-16", "bfloat16", 1, 8, 12, 1, False),  # starts cropping mid-run
+    ("odd-even-vocabulary", "bfloat16", 5, 61, 10, 2, True),
+    ("kv-heavy", "bfloat16", 16, 16, 52, 1, True),  # runs out in decode step 48 just under its peak
+]
+EXPANDABLE = allocator_settings("expandable_segments:True")
+
+
+def document(shape, spec, allocator, budget, cache, expand, phase_budget=None):
+    return json.dumps(predict_model(shape, spec, capacity_bytes=budget, allocator=allocator, report_out_of_memory=True,
+                                    trace_cache=cache, expand_decode_steps=expand, phase_budget=phase_budget),
+                      sort_keys=True)
+
+
+def failing_budget(shape, spec, allocator, cache, peak) -> "int | None":
+    """A budget just under the run's need: the first below `peak` (falling in 2 MiB, then 20 MiB steps)
+    under which the slow path predicts an out-of-memory error."""
+    for budget in [peak - 1, *range(peak - 2 * MIB, peak - 40 * MIB, -2 * MIB),
+                   *range(peak - 40 * MIB, peak // 2, -20 * MIB)]:
+        found = json.loads(document(shape, spec, allocator, budget, cache, False))
+        if "out_of_memory" in found:
+            return budget
+    return None
+
+
+@pytest.mark.parametrize("name, dtype, batch, context, new_tokens, degree, extended", DOCUMENT_CASES)
+def test_fast_predictions_equal_the_full_trace_under_every_allocator(name, dtype, batch, context, new_tokens,
+                                                                    degree, extended):
+    """The prediction documents of the fast path and of every decode step traced, byte for byte: PyTorch's
+    default allocator, under a budget at the run's peak (fits) and just under it (runs out in the same
+    phase, after the same releases), expandable segments unbounded and capped just under its peak."""
+    shape = shape_of(name)
+    spec = RunSpec(name, dtype=dtype, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=3,
+                   tensor_parallel=degree)
+    fast_cache, full_cache = TraceCache(None), TraceCache(None)
+    assert decode_expandable(shape, context, new_tokens) is extended
+    for settings in (DEFAULT_SETTINGS, EXPANDABLE):
+        free = document(shape, spec, settings, None, full_cache, False)
+        assert document(shape, spec, settings, None, fast_cache, True) == free
+        peak = json.loads(free)["overall"]["peak_reserved_bytes"]
+        failing = failing_budget(shape, spec, settings, full_cache, peak)
+        assert failing is not None
+        for budget in (peak, failing):
+            full = document(shape, spec, settings, budget, full_cache, False)
+            assert document(shape, spec, settings, budget, fast_cache, True) == full
+        assert "out_of_memory" not in json.loads(document(shape, spec, settings, peak, full_cache, False))
+    # what was traced: four decode steps (five with a window) where the steps are extended, else every step
+    runs = [t for t in fast_cache.memory.values() if isinstance(t, RunTrace)]
+    assert {t.decode_steps for t in runs} == {traced_decode_steps(shape) if extended else new_tokens}
+    assert {t.decode_steps for t in full_cache.memory.values() if isinstance(t, RunTrace)} == {new_tokens}
+
+
+def test_a_per_phase_budget_replays_the_same_on_both_paths():
+    """compare's budgets, one per phase: from decode step 10 on, no more than reserved was when step 10
+    started, so a later step's new segment first releases the free cached ones, then runs out."""
+    shape = shape_of("kv-heavy")
+    spec = RunSpec("kv-heavy", batch=16, context=16, new_tokens=52, decode_record_every=1)
+    fast_cache, full_cache = TraceCache(None), TraceCache(None)
+    free = json.loads(document(shape, spec, DEFAULT_SETTINGS, None, full_cache, False))
+    tight = next(p["baseline_reserved_bytes"] for p in free["phases"] if p["index"] == 10)
+
+    def phase_budget(rank, phase, index):
+        return tight if phase == "decode" and index >= 10 else 2**40
+
+    full = document(shape, spec, DEFAULT_SETTINGS, None, full_cache, False, phase_budget)
+    assert document(shape, spec, DEFAULT_SETTINGS, None, fast_cache, True, phase_budget) == full
+    failed = json.loads(full)["out_of_memory"]
+    assert failed["phase"] == "decode" and failed["index"] >= TRACED_DECODE_STEPS  # in an extended step
+    quick = json.loads(document(shape, spec, DEFAULT_SETTINGS, free["overall"]["peak_reserved_bytes"] - 1,
+                                fast_cache, True))
+    assert (quick["out_of_memory"]["phase"], quick["out_of_memory"]["index"]) == ("decode", 48)
+
+
+def test_a_release_and_retry_replays_the_same_on_both_paths():
+    """Just under the peak, the prefill's new segments first release the wholly free cached ones."""
+    shape = shape_of("kv-heavy")
+    spec = RunSpec("kv-heavy", batch=16, context=128, new_tokens=40, decode_record_every=7)
+    fast_cache, full_cache = TraceCache(None), TraceCache(None)
+    peak = json.loads(document(shape, spec, DEFAULT_SETTINGS, None, full_cache, False))["overall"]["peak_reserved_bytes"]
+    full = document(shape, spec, DEFAULT_SETTINGS, peak - MIB // 2, full_cache, False)
+    assert document(shape, spec, DEFAULT_SETTINGS, peak - MIB // 2, fast_cache, True) == full
+    assert [r["phase"] for r in json.loads(full)["cache_releases"]] == ["prefill", "prefill"]
+    assert "out_of_memory" not in json.loads(full)
+
+
 @pytest.mark.parametrize("name, degree", [("tiny", 2), ("odd-even-vocabulary", 2), ("mistral-even-vocabulary", 2), ("mistral-even-vocabulary", 4)])
 def test_every_rank_traces_what_rank_zero_traces(name, degree):
     """What fits_at_degree and fit rely on to replay rank 0's trace for every rank."""
@@ -130,15 +264,23 @@ def test_decode_record_every_changes_no_trace():
 
 
 # ------------------------------------------------------------------ what is not extended
-@pytest.mark.parametrize("changes", [
-    {"layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"]},
-    {"use_sliding_window": True, "sliding_window": 64},
-    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+@pytest.mark.parametrize("changes, context, new_tokens", [
+    ({"layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"], "sliding_window": 64},
+     40, 30),  # the window is reached mid-run
+    ({"model_type": "mistral", "sliding_window": 64}, 59, 8),  # reached within the margin of the prefill
+    ({"model_type": "mistral", "sliding_window": 64}, 20, 42),  # reached within the margin of the last step
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, 40, 30),
 ])
-def test_runs_whose_steps_may_change_are_not_extended(changes):
-    shape = shape_of("tiny")
-    assert not decode_expandable(replace(shape, raw={**shape.raw, **changes}))
-    assert not decode_expandable(replace(shape, model_type="gemma2"))
+def test_runs_whose_steps_may_change_are_not_extended(changes, context, new_tokens):
+    if "rope_scaling" in changes:  # a RoPE that changes past a length (the shape as given, not read)
+        shape = replace(shape_of("tiny"), raw={**TINY, **changes})
+    else:
+        shape = parse_config({**TINY, **changes}, "changed")
+    assert not decode_expandable(shape, context, new_tokens)
+    if "sliding_window" in changes:
+        assert not decode_expandable(shape)  # a window, and no sizes to place the run beside it
+        assert decode_expandable(shape, 10, 20) and decode_expandable(shape, 200, 20)  # before it, or past it
+    assert not decode_expandable(replace(shape_of("tiny"), model_type="deepseek_v3"), 40, 30)  # not checked
 
 
 def test_an_unexpandable_model_is_traced_whole(monkeypatch):

@@ -91,6 +91,13 @@ def decode_expandable(shape, context: "int | None" = None, new_tokens: "int | No
     return all(context + new_tokens + WINDOW_MARGIN <= w or context >= w + WINDOW_MARGIN for w in windows)
 
 
+def traced_decode_steps(shape) -> int:
+    """Decode steps traced before the others are extended: TRACED_DECODE_STEPS, one more with a sliding
+    window (a cropped layer's cache is a view of the step before's, so a step releases what was made
+    two steps back, and step 1 still releases a request of step 0, which differs)."""
+    return TRACED_DECODE_STEPS + (1 if any(w is not None for w in shape.layer_windows) else 0)
+
+
 def _affine(a: list, b: list, c: list) -> "list | None":
     """The componentwise difference when c - b == b - a (same lengths, the same kind of event at
     every position), else None."""

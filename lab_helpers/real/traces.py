@@ -4,8 +4,8 @@ load, and each (batch, context)'s phases; the meta model is built only when a tr
 Where the run's decode steps repeat (lab_helpers.real.replay.decode_expandable), a run of N new tokens
 is traced for TRACED_DECODE_STEPS steps and extended (expand_decode); where the traced steps do not
 repeat, all N steps are traced."""
-from lab_helpers.real.replay import (TRACED_DECODE_STEPS, decode_expandable, default_allocator, expand_decode,
-                                     replay_rank, trace_load, trace_run)
+from lab_helpers.real.replay import (decode_expandable, default_allocator, expand_decode,
+                                     replay_rank, trace_load, trace_run, traced_decode_steps)
 from lab_helpers.real.trace_cache import TraceCache, base_key
 
 
@@ -59,8 +59,9 @@ class TraceSession:
         """The RunTrace of `new_tokens` decode steps at (batch, context): extended from traced steps where
         they repeat, else traced whole."""
         self.load(mesh)
-        if self.expand and new_tokens > TRACED_DECODE_STEPS and decode_expandable(self.shape, context, new_tokens):
-            expanded = expand_decode(self._run(batch, context, TRACED_DECODE_STEPS, mesh), new_tokens)
+        steps = traced_decode_steps(self.shape)
+        if self.expand and new_tokens > steps and decode_expandable(self.shape, context, new_tokens):
+            expanded = expand_decode(self._run(batch, context, steps, mesh), new_tokens)
             if expanded is not None:
                 return expanded
         return self._run(batch, context, new_tokens, mesh)
