@@ -45,6 +45,8 @@ def reduced(name: str, layers: int = 2, **changes) -> dict:
 
 
 REDUCED = {
+    "qwen1.5-0.5b/4": reduced("qwen1.5-0.5b", layers=4),
+    "qwen2.5-7b/2": reduced("qwen2.5-7b"),
     "llama-3.1-8b/2": reduced("llama-3.1-8b"),
     "qwen3-8b/2": reduced("qwen3-8b"),
     "olmo-2-7b/2": reduced("olmo-2-7b"),
@@ -81,8 +83,8 @@ CASES = [
     ("mistral-even-vocabulary", "float32", 1, 9, 6, 2),
     ("tiny", "bfloat16", 3, 129, 8, 2),
     ("biased", "bfloat16", 2, 33, 9, 1),
-    ("qwen1.5-0.5b", "bfloat16", 1, 509, 8, 1),
-    ("qwen1.5-0.5b", "bfloat16", 2, 1023, 6, 2),
+    ("qwen1.5-0.5b/4", "bfloat16", 1, 509, 8, 1),
+    ("qwen2.5-7b/2", "bfloat16", 2, 1023, 6, 2),
 ]
 
 
