@@ -437,6 +437,18 @@ def test_progress_shows_on_a_terminal_only(monkeypatch):
     with progress_bar(3, "shown") as bar:
         assert not bar.disable and bar.delay == PROGRESS_DELAY_SECONDS  # drawn once two seconds have passed
 
+    class OutStream(io.StringIO):  # a Jupyter kernel's stderr: not a terminal
+        pass
+
+    import types
+    monkeypatch.setattr("sys.stderr", OutStream())
+    monkeypatch.delitem(__import__("sys").modules, "ipykernel", raising=False)
+    with progress_bar(3, "no kernel") as bar:
+        assert bar.disable
+    monkeypatch.setitem(__import__("sys").modules, "ipykernel", types.ModuleType("ipykernel"))
+    with progress_bar(3, "in a notebook") as bar:
+        assert not bar.disable and type(bar).__module__ == "tqdm.std"  # the plain bar: no ipywidgets needed
+
 
 def test_tracing_leaves_the_config_as_given():
     """The trace key and the documents show shape.raw: building the model must not rewrite it."""

@@ -51,6 +51,7 @@ NOTEBOOK_ROOTS = {
         "lab_helpers/real/predict.py",
         "lab_helpers/real/protocol.py",
         "lab_helpers/real/fit.py",
+        "lab_helpers/real/card_fit.py",
         "lab_helpers/real/tables.py",
         "lab_helpers/views/plots.py",
     ),

@@ -18,6 +18,7 @@ from lab_helpers.core.text import printable
 from lab_helpers.core.numbers import DTYPE_BYTES
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
+from lab_helpers.real.progress import plain_tqdm_in_notebooks
 
 MODELS_DIR = REPOSITORY / "data" / "models"
 # Refused before any work: far beyond any published decoder (Llama 3.1 405B: hidden
@@ -162,6 +163,7 @@ def built_model_facts(raw: dict) -> dict:
     key = json.dumps(raw, sort_keys=True)
     if key not in _BUILT:
         import torch
+        plain_tqdm_in_notebooks()
         from transformers import AutoModelForCausalLM
         config = transformers_config_of(raw)
         with torch.device("meta"):
@@ -221,6 +223,7 @@ def key_named(exc: BaseException, raw: dict) -> str:
 def transformers_config_of(raw: dict):
     """The transformers config (AutoConfig) of a config dict, with the attention the lab measures
     (SDPA); ConfigError naming the key when transformers refuses it."""
+    plain_tqdm_in_notebooks()
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -351,6 +354,7 @@ def parse_config(raw, name: str) -> ModelShape:
     # (core.cli.run), not after transformers' own "PyTorch was not found" warning on stderr
     import torch
     del torch  # only its presence matters here
+    plain_tqdm_in_notebooks()
     from transformers.cache_utils import get_layer_types_and_kwargs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

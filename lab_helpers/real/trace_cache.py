@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.files import read_bounded_bytes, replace_bytes
+from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.real.replay import LoadTrace, RunTrace
 
 TRACE_FORMAT = 1
@@ -36,10 +37,16 @@ def cache_folder() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def code_digest() -> str:
-    """A hash of the code whose changes change a trace (the tracer, the protocol, the recorder)."""
+    """A hash of the code whose changes change a trace (the tracer, the protocol, the recorder), read
+    from the checkout (a notebook's kernel has no __file__; its cells are these files, generated).
+    Where the files cannot be read, a digest of this process alone: its traces are never reused by
+    another process."""
     digest = hashlib.sha256()
-    for name in ("tracer.py", "protocol.py", "config.py", "spec.py", "replay.py", "traces.py"):  # in lab_helpers/real/
-        digest.update((Path(__file__).parent / name).read_bytes())
+    try:
+        for name in ("tracer.py", "protocol.py", "config.py", "spec.py", "replay.py", "traces.py"):
+            digest.update((REPOSITORY / "lab_helpers" / "real" / name).read_bytes())
+    except OSError:
+        digest.update(os.urandom(32))
     return digest.hexdigest()[:16]
 
 
