@@ -67,8 +67,10 @@ class _Block:
     address: int
     small: bool
     free: bool = True
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
+    # the neighbours in address order, a _Block or None (a string annotation breaks dataclasses in
+    # exec'd notebook code)
+    prev: object = None
+    next: object = None
 
     @property
     def segment(self) -> list:
