@@ -59,26 +59,26 @@ def timed(argv: list, env: dict, repository: Path) -> tuple:
 
 
 def exact(case: tuple) -> dict:
-    """The fast and the full trace of each prediction of a case, replayed: identical?"""
+    """Each prediction of a case through the fast path and with every decode step traced, unbounded and
+    under a budget just under its peak (release-and-retry, then out of memory): identical documents?"""
     from lab_helpers.real.config import load_config
-    from lab_helpers.real.predict import fake_process_group
-    from lab_helpers.real.replay import replay_rank
-    from lab_helpers.real.spec import recorded_steps
+    from lab_helpers.real.predict import predict_model
+    from lab_helpers.real.spec import RunSpec
     from lab_helpers.real.trace_cache import TraceCache
-    from lab_helpers.real.traces import TraceSession
     name, batch, context, new_tokens, degrees = case
-    shape, steps, out = load_config(name), recorded_steps(new_tokens, 1), {}
+    shape, out = load_config(name), {}
     for degree in degrees:
-        answers = []
-        for expand in (True, False):
-            session = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None), expand=expand)
-            if degree == 1:
-                run = session.run(batch, context, new_tokens)
-            else:
-                with fake_process_group(0, degree) as mesh:
-                    run = session.run(batch, context, new_tokens, mesh)
-            answers.append(json.dumps(replay_rank(session.load(), run, None, steps), sort_keys=True))
-        out[f"degree {degree}"] = answers[0] == answers[1]
+        spec = RunSpec(name, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=new_tokens,
+                       tensor_parallel=degree)
+        caches = {True: TraceCache(None), False: TraceCache(None)}
+
+        def document(expand, budget=None):
+            return json.dumps(predict_model(shape, spec, capacity_bytes=budget, report_out_of_memory=True,
+                                            trace_cache=caches[expand], expand_decode_steps=expand), sort_keys=True)
+
+        free = document(False)
+        budget = json.loads(free)["overall"]["peak_reserved_bytes"] - 2**20
+        out[f"degree {degree}"] = document(True) == free and document(True, budget) == document(False, budget)
     return out
 
 

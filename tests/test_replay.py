@@ -299,6 +299,25 @@ def test_an_unexpandable_model_is_traced_whole(monkeypatch):
     assert session.traced == [(1, 8, TRACED_DECODE_STEPS), (1, 8, 7)]
 
 
+@pytest.mark.parametrize("rule, extended", [
+    (lambda batch, heads, kv: 0 if kv < 40 else 4 * batch * heads * 32 * (kv + 2) + 128, False),  # from 40 keys
+    (lambda batch, heads, kv: 512 * batch * heads + 16 * kv, True),  # affine in the key length
+])
+def test_a_decode_workspace_whose_rule_changes_mid_run_is_traced_whole(monkeypatch, rule, extended):
+    """cuDNN's decode workspace as the tracer models it: a rule that changes at some key length after
+    the traced steps is not extended (the traced steps alone would look affine)."""
+    from lab_helpers.real import tracer
+    monkeypatch.setattr(tracer, "cudnn_decode_workspace_bytes", rule)
+    shape = shape_of("tiny")
+    spec = RunSpec("tiny", batch=2, context=20, new_tokens=30, decode_record_every=4)
+    fast, full = TraceCache(None), TraceCache(None)
+    documents = [document(shape, spec, DEFAULT_SETTINGS, None, cache, expand) for cache, expand in ((fast, True),
+                                                                                                    (full, False))]
+    assert documents[0] == documents[1]
+    runs = [t for t in fast.memory.values() if isinstance(t, RunTrace)]
+    assert {t.decode_steps for t in runs} == {TRACED_DECODE_STEPS if extended else 30}
+
+
 def _steps(*own):
     return RunTrace([("inputs", None, [], [64]), ("prefill", None, [], [512, ~1])] +
                     [("decode", i, [], list(events)) for i, events in enumerate(own)], [], len(own))

@@ -91,6 +91,16 @@ def decode_expandable(shape, context: "int | None" = None, new_tokens: "int | No
     return all(context + new_tokens + WINDOW_MARGIN <= w or context >= w + WINDOW_MARGIN for w in windows)
 
 
+def decode_workspace_affine(batch: int, heads: int, context: int, new_tokens: int) -> bool:
+    """Whether the tracer's cuDNN decode workspace (lab_helpers.real.tracer.cudnn_decode_workspace_bytes)
+    is affine in the key length over every decode step of the run: a workspace that changes its rule at
+    some length (a split count, a threshold) between the traced steps and the last would not be seen by
+    the check of the traced steps, so such a run is traced whole."""
+    from lab_helpers.real.tracer import cudnn_decode_workspace_bytes
+    sizes = [cudnn_decode_workspace_bytes(batch, heads, kv) for kv in range(context + 1, context + new_tokens + 1)]
+    return all(b - a == sizes[1] - sizes[0] for a, b in zip(sizes, sizes[1:]))
+
+
 def traced_decode_steps(shape) -> int:
     """Decode steps traced before the others are extended: TRACED_DECODE_STEPS, one more with a sliding
     window (a cropped layer's cache is a view of the step before's, so a step releases what was made

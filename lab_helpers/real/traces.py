@@ -4,7 +4,7 @@ load, and each (batch, context)'s phases; the meta model is built only when a tr
 Where the run's decode steps repeat (lab_helpers.real.replay.decode_expandable), a run of N new tokens
 is traced for TRACED_DECODE_STEPS steps and extended (expand_decode); where the traced steps do not
 repeat, all N steps are traced."""
-from lab_helpers.real.replay import (decode_expandable, default_allocator, expand_decode,
+from lab_helpers.real.replay import (decode_expandable, decode_workspace_affine, default_allocator, expand_decode,
                                      replay_rank, trace_load, trace_run, traced_decode_steps)
 from lab_helpers.real.trace_cache import TraceCache, base_key
 
@@ -60,7 +60,8 @@ class TraceSession:
         they repeat, else traced whole."""
         self.load(mesh)
         steps = traced_decode_steps(self.shape)
-        if self.expand and new_tokens > steps and decode_expandable(self.shape, context, new_tokens):
+        if (self.expand and new_tokens > steps and decode_expandable(self.shape, context, new_tokens)
+                and decode_workspace_affine(batch, self.shape.heads // self.tensor_parallel, context, new_tokens)):
             expanded = expand_decode(self._run(batch, context, steps, mesh), new_tokens)
             if expanded is not None:
                 return expanded
