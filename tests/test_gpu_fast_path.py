@@ -1,7 +1,8 @@
-"""The fast path (decode steps extended from four traced ones, traces read back from the cache) against
-measurements on a CUDA GPU (marker `gpu`), at runs long enough to be extended (more than four new
-tokens): every counter of every recorded phase as the acceptance points require, and the prediction
-byte-identical to the one of the full trace.
+"""The fast path (decode steps extended from four traced ones, five with a sliding window) against
+measurements on a CUDA GPU (marker `gpu`), at runs long enough to be extended: compare's outcome (no
+predicted out-of-memory error under the measured budgets), every counter of every recorded phase as
+the acceptance points require, and the prediction under the measured per-phase budgets and allocator
+settings byte-identical to the one of the full trace (every decode step traced).
 
     ITERAGPU_TEST_DEVICE=cuda:0 python3 -m pytest -o addopts= -m gpu tests/test_gpu_fast_path.py
 """
