@@ -72,7 +72,7 @@ def run(argv, folder: Path, *, env=None, stdin=None, input_bytes=None):
                           env=env or {**os.environ, "PYTHONPATH": str(ROOT)}, **kwargs)
 
 
-SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh `python -m` (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh `python -m` (the rest in-process)
 # The main() that `python -m lab_helpers.NAME` runs, for the rows run in-process
 MAINS = {"real_model": "lab_helpers.real.commands", "mesure_memoire": "lab_helpers.mesure_memoire",
          "calcul_forfaits": "lab_helpers.calcul_forfaits", "grid": "lab_helpers.pricing.grid_commands",

@@ -43,7 +43,7 @@ def snapshot(folder: Path) -> dict:
     return state
 
 
-SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh Python (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh Python (the rest in-process)
 MODULE_MAINS = {"lab_helpers.grid": "lab_helpers.pricing.grid_commands"}
 
 

@@ -113,7 +113,7 @@ def raw_manifest(members: dict, data: bytes) -> dict:
     return {**members, PREFIX + MANIFEST: data}
 
 
-SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh Python (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh Python (the rest in-process)
 
 
 def in_subprocess(table, case: str) -> bool:

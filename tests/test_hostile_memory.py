@@ -382,7 +382,7 @@ def run_case(argv_prefix, argv, setup, expected, folder, limit, env=None, in_pro
 
 
 MODULE = [sys.executable, "-m", "lab_helpers.mesure_memoire"]
-SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh Python (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh Python (the rest in-process)
 
 
 def in_subprocess(table, case_id: str) -> bool:

@@ -193,7 +193,7 @@ COMPARE_CASES = {
 }
 
 
-SUBPROCESS_EVERY = 6  # every sixth row of a table also runs as a fresh `python -m` (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh `python -m` (the rest in-process)
 
 
 def run_program(argv, cwd, timeout=300, in_process=False):
