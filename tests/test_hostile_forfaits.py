@@ -50,7 +50,7 @@ MODULE_MAINS = {"lab_helpers.grid": "lab_helpers.pricing.grid_commands"}
 def in_subprocess(request) -> bool:
     """Whether this row (its position among the test's rows, in id order) runs as a fresh Python."""
     rows = sorted(item.name for item in request.session.items
-                  if item.originalname == request.node.originalname and item.path == request.node.path)
+                  if getattr(item, "originalname", None) == request.node.originalname and item.path == request.node.path)
     return rows.index(request.node.name) % SUBPROCESS_EVERY == 0
 
 
