@@ -460,10 +460,9 @@ class AllocationTracer(TorchDispatchMode):
         bias = None
         with self:
             if attn_mask is not None and attn_mask.dtype is torch.bool:
-                zero = torch.empty((), dtype=query.dtype, device="meta")
-                lowest = torch.empty((), dtype=query.dtype, device="meta")
+                scalars = [torch.empty((), dtype=query.dtype, device="meta") for _ in range(2)]
                 bias = torch.empty(tuple(attn_mask.shape), dtype=query.dtype, device="meta")
-                del zero, lowest
+                scalars.clear()
             seed = torch.empty((), dtype=torch.int64, device="meta")
             offset = torch.empty((), dtype=torch.int64, device="meta")
             out = cudnn_output_like(query, v_dim)
