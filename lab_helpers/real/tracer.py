@@ -47,10 +47,9 @@ class CudaBehaviour:
     # each), the output, then a workspace freed before the call returns: 256 bytes for
     # every call of more than one query token (measured at head dims 64, 96, 128, 256,
     # masked and unmasked; /work/gpu-facts/sdpa, 2026-12-01)
-    cudnn_seed_bytes: int = 8
     cudnn_prefill_workspace_bytes: int = 256
     # cuDNN's largest head dim on compute capability 9.0 with the image's cuDNN: 256
-    # (check_cudnn_tensor_shapes allows 256 on sm90 from cuDNN 9.22.x with cudnn-frontend
+    # (check_cudnn_tensor_shapes allows 256 on sm90 with a cuDNN newer than 9.22.0 and cudnn-frontend
     # >= 1.24, else 128); measured: head dim 256 calls chose cuDNN (torch._fused_sdp_choice 3)
     cudnn_max_head_dim: int = 256
     # the device, for the reduction kernels' launch configuration
