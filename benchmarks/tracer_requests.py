@@ -32,7 +32,7 @@ import lab_helpers.real.tracer as tracer  # noqa: E402
 from lab_helpers.real.config import parse_config  # noqa: E402
 from lab_helpers.real.spec import RunSpec  # noqa: E402
 
-# the probe's reduced configs (/work/gpu-facts/sdpa/probe_sdpa.py): bundled shape, changed keys
+# the probe's reduced configs (benchmarks/sdpa_probe.py): bundled shape, changed keys
 PROBE_FAMILIES = {
     "mistral": ("mistral-7b-v0.1", {"num_hidden_layers": 2}),
     "gemma2": ("gemma-2-2b", {"num_hidden_layers": 4}),

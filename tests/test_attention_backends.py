@@ -1,7 +1,7 @@
 """scaled_dot_product_attention as the tracer models it: the backend CUDA picks on the H200, and the
 requests cuDNN attention makes, masked and unmasked, against the sequences measured there.
 
-The expected sequences are the probe's (/work/gpu-facts/sdpa, NVIDIA H200, torch 2.11.0+cu130,
+The expected sequences are those benchmarks/sdpa_probe.py measured (NVIDIA H200, torch 2.11.0+cu130,
 transformers 5.17.0, measured 2026-12-01 15:13 UTC): every alloc and free inside each SDPA call,
 from torch.cuda.memory._record_memory_history. Frees between two allocations are compared as a
 set (their order does not change the allocator's state)."""

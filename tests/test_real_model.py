@@ -196,7 +196,7 @@ def test_attention_allocates_as_cudnn_does_in_half_precision():
     with tracer, torch.inference_mode():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     # the output takes q's layout (MHA.cpp's alloc_with_matching_layout): a contiguous q, a
-    # contiguous output, as Phi-3's prefill measured on the H200 (/work/gpu-facts/sdpa)
+    # contiguous output, as Phi-3's prefill measured on the H200 (benchmarks/sdpa_probe.py)
     assert out.shape == (2, 4, 16, 64) and out.is_contiguous()
     tracer.collect()
     assert alloc.allocated == 16384  # seed, offset and the 256-byte workspace were freed

@@ -46,7 +46,7 @@ class CudaBehaviour:
     # 256, with a boolean mask or none): a philox seed and offset (int64 scalars, 8 bytes
     # each), the output, then a workspace freed before the call returns: 256 bytes for
     # every call of more than one query token (measured at head dims 64, 96, 128, 256,
-    # masked and unmasked; /work/gpu-facts/sdpa, 2026-12-01)
+    # masked and unmasked; benchmarks/sdpa_probe.py, 2026-12-01)
     cudnn_prefill_workspace_bytes: int = 256
     # cuDNN's largest head dim on compute capability 9.0 with the image's cuDNN: 256
     # (check_cudnn_tensor_shapes allows 256 on sm90 with a cuDNN newer than 9.22.0 and cudnn-frontend
