@@ -151,28 +151,62 @@ def full_measurement(mm, config, shift=0):
     return document
 
 
-def run_main_in_process(main, argv, cwd) -> subprocess.CompletedProcess:
+# What a fresh Python shows of warnings (its default filters, non-debug build): an in-process row
+# then sees the same warning lines on stderr that a subprocess row would, whatever pytest filters.
+FRESH_PYTHON_WARNING_FILTERS = (("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                                ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                                ("ignore", ResourceWarning, ""))
+
+
+def run_main_in_process(main, argv, cwd, *, stdin_bytes=None, stdin_file=None,
+                        text=True) -> subprocess.CompletedProcess:
     """`main(argv)` run in this process from the folder `cwd`, answered as a subprocess run would be:
-    exit code, stdout and stderr text (an uncaught exception becomes its traceback on stderr, so a
-    test that refuses tracebacks fails on it). The hostile tables run most rows this way and a sample
-    as real subprocesses: the same program and checks, without a fresh interpreter per row."""
+    exit code, stdout and stderr (text, or bytes with `text=False`; an uncaught exception becomes its
+    traceback on stderr, so a test that refuses tracebacks fails on it; a warning becomes the lines a
+    fresh Python prints). stdin is empty, `stdin_bytes`, or the file at `stdin_file` (e.g. /dev/zero).
+    The hostile tables run most rows this way and a sample as real subprocesses: the same program and
+    checks, without a fresh interpreter per row. Rows that could hang (a FIFO, a device) stay
+    subprocesses, whose timeout guards them."""
     import contextlib
     import io
     import os
     import traceback
+    import warnings
     os.environ.setdefault("MPLBACKEND", "Agg")
-    out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
+    # utf-8 like the subprocess's streams; stderr's errors as Python's own stderr
+    out_bytes, err_bytes = io.BytesIO(), io.BytesIO()
+    out = io.TextIOWrapper(out_bytes, encoding="utf-8", write_through=True)
+    err = io.TextIOWrapper(err_bytes, encoding="utf-8", errors="backslashreplace", write_through=True)
+    stdin_source = open(stdin_file, "rb") if stdin_file is not None else io.BytesIO(stdin_bytes or b"")
+    stdin = io.TextIOWrapper(stdin_source, encoding="utf-8")
+    here, old_stdin = os.getcwd(), sys.stdin
     os.chdir(cwd)
+    sys.stdin = stdin
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            for action, category, module in reversed(FRESH_PYTHON_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
             try:
-                code = main(list(argv))
-            except SystemExit as exc:  # argparse's --help and usage errors
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except Exception:
-                err.write(traceback.format_exc())
-                code = 1
+                try:
+                    code = main(list(argv))
+                except SystemExit as exc:  # argparse's --help and usage errors
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except Exception:
+                    err.write(traceback.format_exc())
+                    code = 1
+            finally:
+                for warning in caught:
+                    err.write(warnings.formatwarning(warning.message, warning.category, warning.filename,
+                                                     warning.lineno, warning.line))
+        out.flush()
+        err.flush()
     finally:
+        sys.stdin = old_stdin
+        stdin.close()
         os.chdir(here)
-    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+    stdout, stderr = out_bytes.getvalue(), err_bytes.getvalue()
+    if text:
+        stdout, stderr = stdout.decode("utf-8", "surrogateescape"), stderr.decode("utf-8", "surrogateescape")
+    return subprocess.CompletedProcess(list(argv), code, stdout, stderr)

@@ -1,7 +1,7 @@
 """Allocator settings the lab does not model, given with --allocator-conf, in PYTORCH_CUDA_ALLOC_CONF or
 PYTORCH_ALLOC_CONF, or recorded in a measurement file: every command that replays or measures the
 allocator ends in exit 2 and one line naming the setting, with no traceback, nothing on stdout and
-nothing created. Most rows run in-process; every sixth also as a fresh `python -m`."""
+nothing created. Most rows run in-process; one in 24 also as a fresh `python -m`."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ from conftest import run_main_in_process
 from test_hostile_real import TINY, measurement
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPROCESS_EVERY = 6
+SUBPROCESS_EVERY = 24
 VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 BAD = {

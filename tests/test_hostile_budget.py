@@ -15,7 +15,7 @@ from conftest import full_measurement, run_main_in_process
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096}
-SUBPROCESS_EVERY = 4
+SUBPROCESS_EVERY = 10
 NOT_WHOLE = "(a whole number, digits 0-9 only)"
 BAD_BYTES = {
     "fraction": ("1.5", NOT_WHOLE),

@@ -8,15 +8,17 @@ traceback, no file created or changed in the working folder. The subprocess time
 only time bound: it stops a hang (a read of a FIFO or of /dev/zero), and it is generous so a machine
 running other jobs passes too.
 """
+import importlib
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import full_measurement
+from conftest import full_measurement, run_main_in_process
 from lab_helpers.synthetic import predict as synthetic_predict
 from lab_helpers.synthetic.network import MeasureConfig
 
@@ -70,6 +72,32 @@ def run(argv, folder: Path, *, env=None, stdin=None, input_bytes=None):
                           env=env or {**os.environ, "PYTHONPATH": str(ROOT)}, **kwargs)
 
 
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh `python -m` (the rest in-process)
+# The main() that `python -m lab_helpers.NAME` runs, for the rows run in-process
+MAINS = {"real_model": "lab_helpers.real.commands", "mesure_memoire": "lab_helpers.mesure_memoire",
+         "calcul_forfaits": "lab_helpers.calcul_forfaits", "grid": "lab_helpers.pricing.grid_commands",
+         "runs": "lab_helpers.views.runs_commands", "sweep": "lab_helpers.views.sweep_commands",
+         "timeline": "lab_helpers.views.timeline_commands", "kit": "lab_helpers.build.kit",
+         "notebook_strip": "lab_helpers.build.strip"}
+
+
+def in_subprocess(table, case: str) -> bool:
+    """Whether the row `case` of `table` (its ids, in order) runs as a fresh `python -m`."""
+    return sorted(table).index(case) % SUBPROCESS_EVERY == 0
+
+
+def run_program(program: str, args, folder: Path, *, subprocess_row: bool, input_bytes=None, stdin_file=None):
+    """`python -m lab_helpers.PROGRAM ARGS` in `folder`, in a fresh Python or in this one; bytes out.
+    A row that could hang (a FIFO, a device) stays a subprocess: its timeout guards it."""
+    if subprocess_row:
+        if stdin_file is not None:
+            with open(stdin_file, "rb") as stream:
+                return run(["-m", f"lab_helpers.{program}", *args], folder, stdin=stream)
+        return run(["-m", f"lab_helpers.{program}", *args], folder, input_bytes=input_bytes)
+    main = importlib.import_module(MAINS[program]).main
+    return run_main_in_process(main, args, folder, stdin_bytes=input_bytes, stdin_file=stdin_file, text=False)
+
+
 def check_one_line(proc, prog: str, expected: str) -> str:
     stderr = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2, (proc.returncode, stderr)
@@ -115,13 +143,14 @@ TYPO_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, expected", [pytest.param(argv, expected, id=case) for case, argv, expected in TYPO_CASES])
-def test_a_mistyped_flag_is_named_with_the_closest_one(tmp_path, argv, expected):
+@pytest.mark.parametrize("case, argv, expected", [pytest.param(*row, id=row[0]) for row in TYPO_CASES])
+def test_a_mistyped_flag_is_named_with_the_closest_one(tmp_path, case, argv, expected):
     work = tmp_path / "work"
     work.mkdir()
     config(work)
     before = snapshot(work)
-    proc = run(["-m", f"lab_helpers.{argv[0]}", *argv[1:]], work)
+    proc = run_program(argv[0], argv[1:], work,
+                       subprocess_row=in_subprocess([row[0] for row in TYPO_CASES], case))
     check_one_line(proc, argv[0], expected)
     assert "the following arguments are required" not in proc.stderr.decode()
     assert snapshot(work) == before
@@ -162,16 +191,17 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, setup, expected",
-                         [pytest.param(argv, setup, expected, id=case) for case, argv, setup, expected in PATH_CASES])
-def test_a_path_with_a_newline_or_an_escape_is_spelled_out_in_one_line(tmp_path, argv, setup, expected):
+@pytest.mark.parametrize("case, argv, setup, expected", [pytest.param(*row, id=row[0]) for row in PATH_CASES])
+def test_a_path_with_a_newline_or_an_escape_is_spelled_out_in_one_line(tmp_path, case, argv, setup, expected):
     work = tmp_path / "work"
     work.mkdir()
     config(work)
     if setup:
         setup(work)
     before = snapshot(work)
-    proc = run(["-m", f"lab_helpers.{argv[0]}", *argv[1:]], work)
+    could_hang = any(stat.S_ISFIFO(os.lstat(path).st_mode) for path in before)
+    proc = run_program(argv[0], argv[1:], work,
+                       subprocess_row=could_hang or in_subprocess([row[0] for row in PATH_CASES], case))
     check_one_line(proc, argv[0], expected or ": error: ")
     assert snapshot(work) == before
 
@@ -239,18 +269,20 @@ STRIP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("content, expected", [pytest.param(c, e, id=case) for case, c, e in STRIP_CASES])
+@pytest.mark.parametrize("case, content, expected", [pytest.param(*row, id=row[0]) for row in STRIP_CASES])
 @pytest.mark.parametrize("how", ["file", "stdin"])
-def test_the_filter_refuses_what_it_cannot_clean_in_one_line(tmp_path, content, expected, how):
+def test_the_filter_refuses_what_it_cannot_clean_in_one_line(tmp_path, case, content, expected, how):
     work = tmp_path / "work"
     work.mkdir()
     data = content if isinstance(content, bytes) else content.encode("utf-8")
     (work / "n.ipynb").write_bytes(data)
     before = snapshot(work)
+    subprocess_row = in_subprocess([f"{row[0]}-{way}" for row in STRIP_CASES for way in ("file", "stdin")],
+                                   f"{case}-{how}")
     if how == "file":
-        proc = run(["-m", "lab_helpers.notebook_strip", "n.ipynb"], work)
+        proc = run_program("notebook_strip", ["n.ipynb"], work, subprocess_row=subprocess_row)
     else:
-        proc = run(["-m", "lab_helpers.notebook_strip"], work, input_bytes=data)
+        proc = run_program("notebook_strip", [], work, subprocess_row=subprocess_row, input_bytes=data)
     check_one_line(proc, "notebook_strip", expected)
     assert snapshot(work) == before  # the working copy is never touched
 

@@ -4,14 +4,17 @@ Every case runs the real command in a fresh process, in a folder of its own, and
 status 2, nothing on stdout, exactly one `prog: error: ...` line on stderr naming what is wrong,
 no traceback, no file created or changed in the folder, and a time bound. The calculator runs
 both from the repository and as a standalone copy alone in an empty folder."""
+import importlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_module, run_main_in_process
 from test_forfaits import edited_card  # the shipped card with one field replaced
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,17 +43,43 @@ def snapshot(folder: Path) -> dict:
     return state
 
 
-def run_refused(args, cwd: Path, prog: str, *needles):
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh Python (the rest in-process)
+MODULE_MAINS = {"lab_helpers.grid": "lab_helpers.pricing.grid_commands"}
+
+
+def in_subprocess(request) -> bool:
+    """Whether this row (its position among the test's rows, in id order) runs as a fresh Python."""
+    rows = sorted(item.name for item in request.session.items
+                  if getattr(item, "originalname", None) == request.node.originalname and item.path == request.node.path)
+    return rows.index(request.node.name) % SUBPROCESS_EVERY == 0
+
+
+def in_process_main(args):
+    """The main() that `python ARGS` runs: the script file's own (a copy loaded from where it lies, so
+    it looks for its card beside itself), or the module's."""
+    if args[0] == "-m":
+        return importlib.import_module(MODULE_MAINS[args[1]]).main, list(map(str, args[2:]))
+    return load_module(Path(args[0])).main, list(map(str, args[1:]))
+
+
+def run_refused(args, cwd: Path, prog: str, *needles, request=None):
     """Run `args` in `cwd`; assert a one-line usage error holding `needles`; return the line.
 
-    The folder `cwd` and, for a standalone copy, the script's own folder stay unchanged."""
+    The folder `cwd` and, for a standalone copy, the script's own folder stay unchanged. With the
+    test's `request`, most rows run in this process (a FIFO's stay subprocesses, guarded by the
+    timeout); without it, a fresh Python."""
     script = Path(args[0])
     watched = [cwd] + ([script.parent] if script.parent not in (cwd, LIBRARY.parent) and
                        script.suffix == ".py" else [])
     before = [snapshot(folder) for folder in watched]
+    could_hang = any(stat.S_ISFIFO(mode) for state in before for mode, *_ in state.values())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    if request is not None and not could_hang and not in_subprocess(request):
+        main, argv = in_process_main(args)
+        proc = run_main_in_process(main, argv, cwd)
+    else:
+        proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
@@ -119,7 +148,7 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
-def test_calculator_refuses_bad_flags(calculator, case):
+def test_calculator_refuses_bad_flags(calculator, case, request):
     script, work = calculator
     flags, needles = BAD_FLAGS[case]
     args = {"--gpu": "b200", "--days": "7"}
@@ -132,7 +161,7 @@ def test_calculator_refuses_bad_flags(calculator, case):
     argv = [script, *[x for pair in args.items() for x in pair], *extra]
     if "--tariffs" not in flags:
         argv += _card_arg(script, work)
-    run_refused(argv, work, "calcul_forfaits", *needles)
+    run_refused(argv, work, "calcul_forfaits", *needles, request=request)
 
 
 def test_bounds_themselves_are_accepted(calculator):
@@ -166,12 +195,12 @@ BAD_CARD_CELLS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CARD_CELLS))
-def test_calculator_refuses_bad_card_cells_naming_file_and_line(calculator, case):
+def test_calculator_refuses_bad_card_cells_naming_file_and_line(calculator, case, request):
     script, work = calculator
     line, column, value = BAD_CARD_CELLS[case]
     (work / "card.csv").write_text(edited_card(line, column, value), encoding="utf-8")
     run_refused([script, "--gpu", "b200", "--days", "7", "--tariffs", "card.csv"], work,
-                "calcul_forfaits", f"card.csv, line {line}: ", column)
+                "calcul_forfaits", f"card.csv, line {line}: ", column, request=request)
 
 
 def _sparse(path: Path, size_bytes: int) -> None:
@@ -201,7 +230,7 @@ BAD_CARD_FILES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CARD_FILES))
-def test_calculator_refuses_bad_card_files(calculator, case):
+def test_calculator_refuses_bad_card_files(calculator, case, request):
     script, work = calculator
     make, needle = BAD_CARD_FILES[case]
     name = "card.csv"
@@ -210,7 +239,8 @@ def test_calculator_refuses_bad_card_files(calculator, case):
         name = "plain/card.csv"
     else:
         make(work / name)
-    line = run_refused([script, "--list", "--tariffs", name], work, "calcul_forfaits", name, needle)
+    line = run_refused([script, "--list", "--tariffs", name], work, "calcul_forfaits", name, needle,
+                       request=request)
     assert str(work) not in line  # the path as typed, never made absolute
 
 
@@ -291,16 +321,16 @@ def grid_folder(tmp_path):
 
 @pytest.mark.parametrize("command", ["check", "report"])
 @pytest.mark.parametrize("case", list(BAD_GRID_CELLS))
-def test_grid_refuses_bad_cells_naming_file_and_line(grid_folder, case, command):
+def test_grid_refuses_bad_cells_naming_file_and_line(grid_folder, case, command, request):
     changes, column = BAD_GRID_CELLS[case]
     (grid_folder / "g.csv").write_text(f"{GRID_HEADER}\n{GOOD_PASS}\n{_grid_pass(**changes)}\n",
                                        encoding="utf-8")
     run_refused(["-m", "lab_helpers.grid", command, "g.csv", "--tariffs", CARD], grid_folder,
-                "grid", "g.csv, line 3: ", column)
+                "grid", "g.csv, line 3: ", column, request=request)
 
 
 @pytest.mark.parametrize("case", [c for c in BAD_CARD_FILES if c != "blank lines"])
-def test_grid_refuses_bad_grid_files(grid_folder, case):
+def test_grid_refuses_bad_grid_files(grid_folder, case, request):
     make, needle = BAD_CARD_FILES[case]
     name = "g.csv"
     if make is None:
@@ -312,7 +342,7 @@ def test_grid_refuses_bad_grid_files(grid_folder, case):
         os.truncate(grid_folder / name, 17 * 1024 * 1024)
         needle = "over the 16777216-byte limit"
     line = run_refused(["-m", "lab_helpers.grid", "check", name, "--tariffs", CARD],
-                       grid_folder, "grid", name, needle)
+                       grid_folder, "grid", name, needle, request=request)
     assert str(grid_folder) not in line
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from conftest import ROOT, full_measurement
+from conftest import ROOT, full_measurement, run_main_in_process
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.files import (csv_text, display_path, replace_bytes, replace_text, write_new_json,
                                     write_new_text)
@@ -356,13 +356,20 @@ def snapshot(folder: Path) -> dict:
     return state
 
 
-def run_case(argv_prefix, argv, setup, expected, folder, limit, env=None):
+def run_case(argv_prefix, argv, setup, expected, folder, limit, env=None, in_process_main=None):
+    """One row: in a fresh Python (`argv_prefix`), or with `in_process_main` in this one, except a row
+    whose folder holds a FIFO, which stays a subprocess (its timeout guards a hang)."""
     folder.mkdir(exist_ok=True)
     if setup:
         setup(folder)
     before = snapshot(folder)
-    proc = subprocess.run([*argv_prefix, *argv], cwd=folder, capture_output=True,
-                          timeout=SUBPROCESS_TIMEOUT_SECONDS, stdin=subprocess.DEVNULL, env=env)
+    if any(kind == stat.S_IFIFO for kind, *_ in before.values()):
+        in_process_main = None
+    if in_process_main is not None:
+        proc = run_main_in_process(in_process_main, argv, folder, text=False)
+    else:
+        proc = subprocess.run([*argv_prefix, *argv], cwd=folder, capture_output=True,
+                              timeout=SUBPROCESS_TIMEOUT_SECONDS, stdin=subprocess.DEVNULL, env=env)
     stderr = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2, (proc.returncode, stderr)
     assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
@@ -375,6 +382,11 @@ def run_case(argv_prefix, argv, setup, expected, folder, limit, env=None):
 
 
 MODULE = [sys.executable, "-m", "lab_helpers.mesure_memoire"]
+SUBPROCESS_EVERY = 12  # one row in twelve of a table also runs as a fresh Python (the rest in-process)
+
+
+def in_subprocess(table, case_id: str) -> bool:
+    return sorted(case[0] for case in table).index(case_id) % SUBPROCESS_EVERY == 0
 
 
 @pytest.mark.parametrize("case_id, argv, setup, expected", CASES, ids=[case[0] for case in CASES])
@@ -382,7 +394,9 @@ def test_hostile_memory_command(tmp_path, case_id, argv, setup, expected):
     env_root = str(ROOT)
     prefix = [sys.executable, "-c", f"import sys, runpy; sys.path.insert(0, {env_root!r}); "
               "runpy.run_module('lab_helpers.mesure_memoire', run_name='__main__')"]
-    stderr = run_case(prefix, argv, setup, expected, tmp_path / "work", TIME_LIMIT_SECONDS)
+    from lab_helpers.mesure_memoire import main
+    stderr = run_case(prefix, argv, setup, expected, tmp_path / "work", TIME_LIMIT_SECONDS,
+                      in_process_main=None if in_subprocess(CASES, case_id) else main)
     assert stderr.startswith("mesure_memoire") or stderr.startswith("usage")
 
 
@@ -401,7 +415,9 @@ def test_hostile_memory_command_file_alone(tmp_path, case_id, argv, setup, expec
 def test_hostile_runs_command(tmp_path, case_id, argv, setup, expected):
     prefix = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
               "from lab_helpers import runs; sys.exit(runs.main())"]
-    stderr = run_case(prefix, argv, setup, expected, tmp_path / "work", RUNS_TIME_LIMIT_SECONDS)
+    from lab_helpers.runs import main
+    stderr = run_case(prefix, argv, setup, expected, tmp_path / "work", RUNS_TIME_LIMIT_SECONDS,
+                      in_process_main=None if in_subprocess(RUNS_CASES, case_id) else main)
     assert stderr.startswith("runs: error: ")
 
 

@@ -268,7 +268,7 @@ def snapshot_of(folder) -> list:
     return sorted((p.name, p.read_bytes()) for p in folder.iterdir())
 
 
-SUBPROCESS_EVERY = 6  # every sixth row also runs as a fresh `python -m` (the rest in-process)
+SUBPROCESS_EVERY = 12  # one row in twelve also runs as a fresh `python -m` (the rest in-process)
 
 
 def in_process_main(program):

@@ -366,7 +366,7 @@ def run_with(**configuration):
 
 
 FIT = ["--predict-fit"]
-SUBPROCESS_EVERY = 6
+SUBPROCESS_EVERY = 24
 HOSTILE = [
     # (id, the document, extra flags, a fragment of the one line)
     ("source-unknown", changed(snapshot_source="observed"), [], "snapshot_source must be one of"),

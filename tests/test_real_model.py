@@ -4,12 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_main_in_process
 from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, HistoryRecorder, timeline_from_snapshot
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core import files
@@ -193,7 +195,9 @@ def test_attention_allocates_as_cudnn_does_in_half_precision():
     q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
     with tracer, torch.inference_mode():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert out.shape == (2, 4, 16, 64) and out.transpose(1, 2).is_contiguous()  # [B, L, H, D] in memory
+    # the output takes q's layout (MHA.cpp's alloc_with_matching_layout): a contiguous q, a
+    # contiguous output, as Phi-3's prefill measured on the H200 (benchmarks/sdpa_probe.py)
+    assert out.shape == (2, 4, 16, 64) and out.is_contiguous()
     tracer.collect()
     assert alloc.allocated == 16384  # seed, offset and the 256-byte workspace were freed
     assert alloc.peak_allocated == 512 + 512 + 16384 + 512
@@ -477,10 +481,20 @@ BAD_FLAGS = [  # (argv after the command, words of the one-line error)
 ]
 
 
+SUBPROCESS_EVERY = 8  # about one row in eight also runs as a fresh `python -m` (the rest in-process)
+
+
 def _refused(folder, argv, words):
+    """The refusal checks, in this process, or as a fresh `python -m` for a sample of rows and for
+    every row naming the FIFO (its subprocess timeout guards a hang)."""
     before = sorted(p.name for p in folder.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "lab_helpers.real_model", *argv], cwd=folder, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+    fresh = "fifo.json" in argv or zlib.crc32(repr(argv).encode()) % SUBPROCESS_EVERY == 0
+    if fresh:
+        proc = subprocess.run([sys.executable, "-m", "lab_helpers.real_model", *argv], cwd=folder, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdin=subprocess.DEVNULL)
+    else:
+        proc = run_main_in_process(main, [str(a) for a in argv], folder)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, (argv[:4], proc.stderr[-500:])
     assert len(lines) == 1 and lines[0].startswith("real_model") and "error:" in lines[0], proc.stderr[-500:]

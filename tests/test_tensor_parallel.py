@@ -583,15 +583,17 @@ def test_runs_refuses_a_tensor_parallel_file_in_one_line(mm, tmp_path):
                               "lab_helpers.mesure_memoire compare FILE")
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("lab_helpers.mesure_memoire", ["measure", "--width", "64", "--tensor-parallel", "4"]),
+@pytest.mark.parametrize("module, argv, attempts", [
+    ("lab_helpers.mesure_memoire", ["measure", "--width", "64", "--tensor-parallel", "4"], 3),
     ("lab_helpers.real_model", ["measure", "--config", "llama-3.1-8b", "--batch", "1", "--context", "8",
-                                "--new-tokens", "1", "--tensor-parallel", "4"]),
+                                "--new-tokens", "1", "--tensor-parallel", "4"], 1),
 ])
-def test_every_rank_prints_its_own_line_for_a_bad_degree_despite_torchrun_stopping_them(tmp_path, module, argv):
+def test_every_rank_prints_its_own_line_for_a_bad_degree_despite_torchrun_stopping_them(tmp_path, module, argv,
+                                                                                      attempts):
     """torchrun sends SIGTERM to the ranks still running once one has ended; each rank meets the same bad
-    input and must still print its line and end with exit 2 (three runs: the race is not won by luck)."""
-    for attempt in range(3):
+    input and must still print its line and end with exit 2 (three runs of the standalone file: the race
+    is not won by luck; real_model's ranks end through the same launch code, so one run shows its line)."""
+    for attempt in range(attempts):
         out = tmp_path / f"out-{attempt}.json"
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                "-m", module, *argv, "--output", str(out)],

@@ -42,9 +42,16 @@ class CudaBehaviour:
     cublas_workspace_bytes: int = 32 * MIB
     # the first product with a bias (addmm, cuBLASLt) adds cuBLASLt's own workspace
     cublaslt_workspace_bytes: int = MIB
-    # cuDNN attention (fp16/bf16, no mask): a philox seed and offset (int64 scalars),
-    # the output, then a workspace freed before the call returns
+    # cuDNN attention, chosen for every SDPA call of the probed families (head dim 64 to
+    # 256, with a boolean mask or none): a philox seed and offset (int64 scalars, 8 bytes
+    # each), the output, then a workspace freed before the call returns: 256 bytes for
+    # every call of more than one query token (measured at head dims 64, 96, 128, 256,
+    # masked and unmasked; benchmarks/sdpa_probe.py, 2026-12-01)
     cudnn_prefill_workspace_bytes: int = 256
+    # cuDNN's largest head dim on compute capability 9.0 with the image's cuDNN: 256
+    # (check_cudnn_tensor_shapes allows 256 on sm90 with a cuDNN newer than 9.22.0 and cudnn-frontend
+    # >= 1.24, else 128); measured: head dim 256 calls chose cuDNN (torch._fused_sdp_choice 3)
+    cudnn_max_head_dim: int = 256
     # the device, for the reduction kernels' launch configuration
     multiprocessors: int = 132
     threads_per_multiprocessor: int = 2048
@@ -93,8 +100,113 @@ def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: in
 
 
 def cudnn_decode_workspace_bytes(batch: int, heads: int, kv_length: int) -> int:
-    """Workspace of cuDNN attention for one query token over `kv_length` keys."""
+    """Workspace of cuDNN attention for one query token over `kv_length` keys: not predicted (0).
+
+    A known gap. On the H200 (torch 2.11.0+cu130, 2026-12-01) the decode calls allocated a
+    workspace and freed it before returning: 532608 bytes (batch 2, 32 query / 8 key-value
+    heads, head dim 128, 4095 keys, no mask), 264320 (1, 8 / 4, 256, 8001 keys, no mask),
+    133248 (1 and 2, 32 heads, 128, 4096 keys, masked), 264320 (1, 8, 256, 4096, masked),
+    100480 (1, 32, 96, 2047, masked), 528512 and 66176 (Gemma 3, 8 / 4 heads, 256), 50816
+    (GPT-2, 4, 12, 64, 516 keys); none at (8, 12, 64, 1001) and (8, 32, 96, 1001). Its
+    formula (cuDNN's plan for that shape) is not known and is not fitted to these few points:
+    the prediction leaves it out, so a decode step whose peak is this call is under by up to
+    the workspace rounded to 512 bytes (and by a 2 MiB segment where one would be made)."""
     return 0
+
+
+# The scaled_dot_product_attention backends, as aten/src/ATen/native/transformers/cuda/
+# sdp_utils.cpp (select_sdp_backend) picks them for torch 2.11 on compute capability 9.0.
+# check_prefer_cudnn_attention puts cuDNN first on sm90/sm100 with cuDNN > 9.15 (CUDA >= 13
+# builds); measured on the H200 image (torch 2.11.0+cu130): torch._fused_sdp_choice was 3
+# (cuDNN) for every call of the probed families.
+CUDNN, OTHER = "cudnn", "other"
+
+
+def cudnn_sdpa_supported(query, key, value, attn_mask, dropout_p: float, enable_gqa: bool,
+                         behaviour: CudaBehaviour = None) -> bool:
+    """Whether can_use_cudnn_attention (sdp_utils.cpp, torch 2.11) accepts the call on the H200.
+
+    The filters, in its order: cuDNN SDP enabled (check_runtime_disabled_cudnn); no
+    deterministic algorithms unless warn-only (check_cudnn_deterministic); q, k, v 4-D
+    (check_tensor_shapes); q, k, v all fp16 or all bf16 (check_dtypes_low_precision, sm >= 80);
+    the mask 2-D or 4-D, not requiring grad, each dim equal to the query's (B, H, L, S) or 1
+    (check_attn_mask_shape, sdp_utils_cpp.h); the device sm80..sm121 (H200: sm90); dropout a
+    multiple of 1/16 (check_cudnn_dropout); non-zero L and S (check_nonzero_sequence_lengths_
+    dense); last-dim stride 1 of q, k, v (or head dim 1) and of the mask on the GPU
+    (check_last_dim_stride_equals_1_dense<true>); same batch of q, k, v and, with enable_gqa,
+    q's heads a multiple of k's and of v's, else equal heads (check_batch_size_and_num_heads_
+    dense<gqa, not same kv heads, mqa>); B and H at most 65535, head dims at most 256 and
+    multiples of 8, S not 1 (check_cudnn_tensor_shapes); with grad, head dims <= 128 or
+    (192, 128) or (256, 256) (check_cudnn_d256_bprop_head_dim). Not modelled here, so left
+    to the other path: dropout > 0 (cuDNN 9.11-9.13 refuse it, and the runtime's version is
+    not known here; the lab measures without dropout)."""
+    behaviour = behaviour or DEFAULT_BEHAVIOUR
+    if not torch.backends.cuda.cudnn_sdp_enabled() or dropout_p != 0.0:
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return False
+    if query.dtype not in (torch.float16, torch.bfloat16) or not (query.dtype == key.dtype == value.dtype):
+        return False
+    batch, heads, q_length, head_dim = query.shape
+    kv_length, v_dim = key.shape[-2], value.shape[-1]
+    if attn_mask is not None:
+        if attn_mask.requires_grad or attn_mask.dim() not in (2, 4):
+            return False
+        wanted = (q_length, kv_length) if attn_mask.dim() == 2 else (batch, heads, q_length, kv_length)
+        if any(n not in (w, 1) for n, w in zip(attn_mask.shape, wanted)):
+            return False
+        if attn_mask.stride(-1) != 1:
+            return False
+    if q_length == 0 or kv_length == 0:
+        return False
+    if head_dim != 1 and not (query.stride(-1) == key.stride(-1) == value.stride(-1) == 1):
+        return False
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        return False
+    if enable_gqa:
+        if heads % key.shape[1] or heads % value.shape[1]:
+            return False
+    elif not (heads == key.shape[1] == value.shape[1]):
+        return False
+    if batch > 65535 or heads > 65535:
+        return False
+    if max(head_dim, v_dim) > behaviour.cudnn_max_head_dim or head_dim % 8 or v_dim % 8:
+        return False
+    if kv_length == 1:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return (max(head_dim, v_dim) <= 128 or (head_dim, v_dim) in ((192, 128), (256, 256)))
+    return True
+
+
+def cudnn_output_like(query, v_dim: int):
+    """cuDNN attention's output: (B, H, L, v_dim) laid out in q's dimension order.
+
+    aten/src/ATen/native/cudnn/MHA.cpp, alloc_with_matching_layout: empty_like(q) when the
+    shapes agree, else strides filled in the order of q's strides, smallest first (a stable
+    sort; a zero stride last). Measured on the H200: a q of [B, L, H, D] in memory (Mistral,
+    Gemma) or from GPT-2's fused qkv gave a dense [B, L, H, D] output; Phi-3's contiguous
+    [B, H, L, D] q gave a contiguous [B, H, L, D] output, which transformers' transpose(1, 2)
+    .contiguous() then copies."""
+    shape = (*query.shape[:-1], v_dim)
+    if tuple(query.shape) == shape:
+        return torch.empty_like(query)
+    order = sorted(range(query.dim()), key=lambda d: query.stride(d) or float("inf"))
+    strides, running = [0] * query.dim(), 1
+    for d in order:
+        strides[d] = running
+        running *= shape[d]
+    return torch.empty_strided(shape, strides, dtype=query.dtype, device="meta")
+
+
+def sdpa_backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, enable_gqa: bool = False,
+                 behaviour: CudaBehaviour = None) -> str:
+    """CUDNN where CUDA on the H200 runs cuDNN attention; OTHER where it runs another backend
+    (flash, memory-efficient or math), which the tracer models as it did before cuDNN was known
+    to take masks (not measured: no probed call took one of them)."""
+    return CUDNN if cudnn_sdpa_supported(query, key, value, attn_mask, dropout_p, enable_gqa, behaviour) else OTHER
 
 
 def _layout_key(value):
@@ -255,7 +367,11 @@ class AllocationTracer(TorchDispatchMode):
             return outs[0] if len(outs) == 1 and not isinstance(layouts, tuple) else tuple(outs)
         result = func(*args, **kwargs)
         outs = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, tuple) else None
-        if outs and all(isinstance(t, torch.Tensor) and _plain_storage(t) for t in outs):
+        # an op that returned an input as it is (dropout in eval) makes no storage: not cached,
+        # or its next call would get a fresh one (Phi-3's second dropout of each layer did)
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if outs and all(isinstance(t, torch.Tensor) and _plain_storage(t) and t.untyped_storage()._cdata not in inputs
+                        for t in outs):
             found = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
             self.layouts[key] = found if isinstance(result, torch.Tensor) else tuple(found)
         return result
@@ -268,6 +384,8 @@ class AllocationTracer(TorchDispatchMode):
             self._blas(lt=False)
         elif func is aten.argmax.default:
             self._argmax_staging(*args)
+        elif func is aten.layer_norm.default:
+            self._layer_norm_statistics(*args)
         elif func is aten.pow.Scalar:
             # CUDA wraps the scalar base in a one-element double tensor on the device
             self._scratch(8)
@@ -279,6 +397,21 @@ class AllocationTracer(TorchDispatchMode):
         if lt and not self.cublaslt_ready:
             self.cublaslt_ready = True
             self._persistent(self.behaviour.cublaslt_workspace_bytes)
+
+    def _layer_norm_statistics(self, values, normalized_shape, *rest) -> None:
+        """layer_norm reaches the tracer whole (inference mode); on CUDA it runs native_layer_norm,
+        which allocates the output, then the mean and the reciprocal deviation (one float32 per
+        normalised row, float64 for float64 input), freed as layer_norm returns (measured on the
+        H200 for GPT-2: output, 8192, 8192, both freed, at (4, 512))."""
+        rows = values.numel()
+        for n in normalized_shape:
+            rows //= max(1, n)
+        nbytes = rows * (8 if values.dtype is torch.float64 else 4)
+        if nbytes:
+            self.collect()
+            mean, rstd = self.allocator.malloc(nbytes), self.allocator.malloc(nbytes)
+            self.allocator.free(mean)
+            self.allocator.free(rstd)
 
     def _argmax_staging(self, values, dim=None, keepdim=False) -> None:
         """argmax along a contiguous last dimension: CUDA's reduction may split each row
@@ -299,19 +432,13 @@ class AllocationTracer(TorchDispatchMode):
         """scaled_dot_product_attention as CUDA runs it: the backend decides what is allocated."""
         batch, heads, q_length, _ = query.shape
         kv_length, v_dim = key.shape[-2], value.shape[-1]
+        if sdpa_backend(query, key, value, attn_mask, dropout_p, enable_gqa, self.behaviour) == CUDNN:
+            return self._cudnn_attention(query, attn_mask, batch, heads, q_length, kv_length, v_dim)
         fused = attn_mask is None and dropout_p == 0.0 and query.shape[-1] <= 128
         if fused and query.dtype in (torch.float16, torch.bfloat16):
-            # cuDNN attention: seed, offset, output ([B, L, H, D] in memory), workspace
-            with self:
-                seed = torch.empty((), dtype=torch.int64, device="meta")
-                offset = torch.empty((), dtype=torch.int64, device="meta")
-                out = torch.empty((batch, q_length, heads, v_dim), dtype=query.dtype, device="meta").transpose(1, 2)
-            if q_length > 1:
-                self._scratch(self.behaviour.cudnn_prefill_workspace_bytes)
-            else:
-                self._scratch(cudnn_decode_workspace_bytes(batch, heads, kv_length))
-            del seed, offset
-            return out
+            # not cuDNN's filters (e.g. a head dim not a multiple of 8): flash attention on
+            # CUDA, whose padded copies are not measured; modelled as cuDNN's sequence
+            return self._cudnn_attention(query, None, batch, heads, q_length, kv_length, v_dim)
         if fused and not enable_gqa:
             # memory-efficient attention: the output only (no logsumexp in inference)
             with self:
@@ -322,6 +449,32 @@ class AllocationTracer(TorchDispatchMode):
             return aten._scaled_dot_product_attention_math.default.decompose(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
                 enable_gqa=enable_gqa)[0]
+
+    def _cudnn_attention(self, query, attn_mask, batch, heads, q_length, kv_length, v_dim):
+        """cuDNN attention's allocations, in the order measured on the H200 (torch 2.11.0+cu130).
+
+        A boolean mask first becomes an additive bias in q's dtype (attention.cpp,
+        convert_boolean_attn_mask_cudnn: a where() over two scalar tensors made on the device):
+        the two scalars, then the bias at the mask's own shape with broadcast dims of size 1
+        kept and expanded (stride 0) dims made whole ((2, 1, 1, 4096) with batch stride 0:
+        16384 bytes in bf16), then the scalars freed. Then the philox seed and offset, the
+        output in q's layout (cudnn_output_like), the workspace, freed before the call
+        returns; the bias is freed last. An additive (non-boolean) mask is passed through."""
+        bias = None
+        with self:
+            if attn_mask is not None and attn_mask.dtype is torch.bool:
+                scalars = [torch.empty((), dtype=query.dtype, device="meta") for _ in range(2)]
+                bias = torch.empty(tuple(attn_mask.shape), dtype=query.dtype, device="meta")
+                scalars.clear()
+            seed = torch.empty((), dtype=torch.int64, device="meta")
+            offset = torch.empty((), dtype=torch.int64, device="meta")
+            out = cudnn_output_like(query, v_dim)
+        if q_length > 1:
+            self._scratch(self.behaviour.cudnn_prefill_workspace_bytes)
+        else:
+            self._scratch(cudnn_decode_workspace_bytes(batch, heads, kv_length))
+        del seed, offset, bias
+        return out
 
 
 class AddressedAllocator(AllocatorModel):
