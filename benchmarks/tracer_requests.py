@@ -11,12 +11,10 @@ frees between two allocations does not change the allocator's state). The frees 
 allocation are the end of the run (the GPU's process drops the model, the prediction stops): the
 traced ones must be among the GPU's.
 
-Two differences are known and left out, and printed: the probe ran its points one after another
+One difference is known and left out, and printed: the probe ran its points one after another
 in one process, so the cuBLAS (32 MiB) and cuBLASLt (1 MiB) workspaces that a fresh process, and
 so the prediction, makes at its first product are in the probe's files only where its process
-made them (cuBLAS at its first point, cuBLASLt at its first point with a biased product: GPT-2's);
-and cuDNN's decode workspace (allocated and freed at once inside an SDPA call of one query
-token), which the prediction does not know (lab_helpers.real.tracer.cudnn_decode_workspace_bytes).
+made them (cuBLAS at its first point, cuBLASLt at its first point with a biased product: GPT-2's).
 Prints the first difference or that the sequences are equal; exit 1 if any file differs.
 """
 import argparse
@@ -48,7 +46,6 @@ PROBE_ORDER = [("mistral", 1, 8192), ("mistral", 2, 4094), ("gemma2", 1, 8000), 
                ("gpt2", 4, 512), ("gpt2", 8, 1000), ("mixtral", 1, 512)]
 BIASED = {"gpt2"}
 CUBLAS_BYTES, CUBLASLT_BYTES = 32 * 2**20, 2**20
-SDPA_FRAME = "probe_sdpa.py"  # the probe's wrapper: the top Python frame of what SDPA allocates
 
 
 class RecordingAllocator(tracer.AddressedAllocator):
@@ -110,22 +107,6 @@ def canonical(events, dropped=()) -> list:
     return out
 
 
-def without_decode_workspaces(events, frames):
-    """The events less cuDNN's decode workspaces: inside an SDPA call, an allocation other than the
-    prefill's 256 bytes (predicted) freed by the very next event."""
-    kept, dropped, i = [], [], 0
-    while i < len(events):
-        action, size = events[i]
-        inside = bool(frames[i]) and SDPA_FRAME in frames[i][0]
-        if action == "alloc" and inside and size != 256 and i + 1 < len(events) and events[i + 1] == ("free", size):
-            dropped.append(size)
-            i += 2
-            continue
-        kept.append(events[i])
-        i += 1
-    return kept, dropped
-
-
 def gpu_events(probe: dict) -> list:
     """The probe's alloc and free requests (free_requested; free_completed repeats it)."""
     events, frames = [], []
@@ -154,13 +135,11 @@ def traced_events(probe: dict) -> list:
 
 def compare(path: Path, show: int) -> bool:
     probe = json.loads(path.read_text())
-    gpu, frames = gpu_events(probe)
-    gpu, workspaces = without_decode_workspaces(gpu, frames)
+    gpu, _ = gpu_events(probe)
     before = made_before(probe)
     gpu_c, traced_c = canonical(gpu), canonical(traced_events(probe), before)
     label = f"{probe['family']} ({probe['batch']}, {probe['context']})"
-    print(f"{label}: left out: {len(workspaces)} cuDNN decode workspaces {sorted(set(workspaces))}, "
-          f"workspaces made earlier by the probe's process {sorted(before)}")
+    print(f"{label}: left out: the workspaces made earlier by the probe's process {sorted(before)}")
     # the end of the run: the frees after the last allocation
     gpu_tail = gpu_c.pop()[1] if gpu_c and gpu_c[-1][0] == "free" else ()
     traced_tail = traced_c.pop()[1] if traced_c and traced_c[-1][0] == "free" else ()

@@ -11,8 +11,8 @@ from lab_helpers.real import tracer as tracer_module
 from lab_helpers.real.config import parse_config
 from lab_helpers.real.predict import predict_model
 from lab_helpers.real.spec import RunSpec
-from lab_helpers.real.tracer import (CUDNN, OTHER, AddressedAllocator, AllocationTracer, cudnn_output_like,
-                                     cudnn_sdpa_supported, sdpa_backend)
+from lab_helpers.real.tracer import (CUDNN, OTHER, AddressedAllocator, AllocationTracer, cudnn_decode_workspace_bytes,
+                                     cudnn_output_like, cudnn_sdpa_supported, sdpa_backend)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -83,12 +83,13 @@ CASES = [
                                          torch.empty(1, 1, 8192, 8192, dtype=torch.bool, device="meta")),
      {}, [(A, 2), (A, 2), (A, 134217728), (FREE, (2, 2)), (A, 8), (A, 8), (A, 67108864), (A, 256),
           (FREE, (8, 8, 256, 134217728))], (33554432, 128, 4096, 1)),
-    # mistral-2-4094.json, decode: bool mask (2, 1, 1, 4096) expanded over the batch (stride 0); the
-    # GPU's decode workspace (133248 bytes here) is the known gap, not predicted
+    # mistral-2-4094.json, decode: bool mask (2, 1, 1, 4096) expanded over the batch (stride 0), then
+    # cuDNN's decode workspace (133248 bytes: 8 splits of the keys)
     ("mistral decode, masked, expanded batch",
      lambda: (bhld(2, 32, 1, 128), bhld(2, 32, 4096, 128), bhld(2, 32, 4096, 128),
               torch.empty(1, 1, 1, 4096, dtype=torch.bool, device="meta").expand(2, 1, 1, 4096)),
-     {}, [(A, 2), (A, 2), (A, 16384), (FREE, (2, 2)), (A, 8), (A, 8), (A, 16384), (FREE, (8, 8, 16384))],
+     {}, [(A, 2), (A, 2), (A, 16384), (FREE, (2, 2)), (A, 8), (A, 8), (A, 16384), (A, 133248),
+          (FREE, (8, 8, 16384, 133248))],
      (4096, 128, 128, 1)),
     # gemma2-1-8000.json, prefill of a sliding layer: head dim 256, bool mask (1, 1, 8000, 8000)
     ("gemma 2 prefill, head dim 256, masked",
@@ -111,9 +112,66 @@ CASES = [
     ("phi-3 decode, masked, odd window",
      lambda: (bhld(1, 32, 1, 96), bhld(1, 32, 2047, 96), bhld(1, 32, 2047, 96),
               torch.empty(1, 1, 1, 2047, dtype=torch.bool, device="meta")),
-     {}, [(A, 2), (A, 2), (A, 4094), (FREE, (2, 2)), (A, 8), (A, 8), (A, 6144), (FREE, (8, 8, 4094))],
+     {}, [(A, 2), (A, 2), (A, 4094), (FREE, (2, 2)), (A, 8), (A, 8), (A, 6144), (A, 100480),
+          (FREE, (8, 8, 4094, 100480))],
      (3072, 96, 96, 1)),
 ]
+
+
+# (batch, query heads, key-value heads, head dim, keys, boolean mask, workspace bytes): decode calls
+# measured on the H200 (torch 2.11.0+cu130, 2026-12-01) by benchmarks/cudnn_decode_probe.py and, the
+# last ones, inside the families' runs by benchmarks/sdpa_probe.py
+DECODE_WORKSPACES = [
+    (1, 32, 8, 128, 127, False, 0), (1, 32, 8, 128, 128, False, 0), (1, 32, 8, 128, 255, False, 0),
+    (1, 32, 8, 128, 256, False, 0), (1, 32, 8, 128, 1000, False, 66688), (1, 32, 8, 128, 2048, False, 266368),
+    (1, 32, 8, 128, 4096, False, 532608), (1, 32, 8, 128, 16384, False, 532608),
+    (1, 32, 8, 128, 32768, False, 532608), (4, 32, 8, 128, 4096, False, 532608),
+    (8, 32, 8, 128, 4096, False, 532608), (16, 32, 8, 128, 4096, False, 0),
+    (1, 16, 2, 64, 4096, False, 135296), (1, 40, 8, 128, 3000, False, 332928),
+    (1, 64, 8, 128, 8192, False, 1065088), (3, 28, 4, 128, 5000, False, 699008),
+    (1, 32, 32, 128, 4096, False, 133248), (2, 12, 12, 64, 1001, False, 25472),
+    (1, 12, 12, 64, 4096, False, 50816), (1, 8, 8, 256, 4096, False, 264320),
+    (4, 32, 32, 128, 4096, False, 0), (1, 32, 32, 96, 2047, False, 100480), (1, 32, 32, 128, 100, True, 0),
+    (1, 32, 32, 128, 128, True, 0), (1, 32, 32, 128, 129, True, 0), (1, 32, 32, 128, 1000, True, 66688),
+    (1, 32, 32, 128, 4096, True, 133248), (1, 32, 32, 128, 9000, True, 133248),
+    (3, 32, 32, 128, 4096, True, 0), (1, 16, 16, 64, 4096, True, 67712), (2, 12, 12, 64, 1001, True, 25472),
+    (1, 8, 8, 256, 600, True, 33152), (5, 8, 8, 256, 4096, True, 165248), (1, 40, 40, 128, 2500, True, 83328),
+    (1, 32, 32, 96, 700, True, 50304), (1, 8, 8, 256, 1024, True, 66176), (4, 8, 8, 256, 1024, True, 264320),
+    (1, 32, 8, 128, 1015, False, 66688), (1, 32, 8, 128, 1016, False, 66688),
+    (1, 32, 8, 128, 1017, False, 133248), (1, 32, 8, 128, 1009, False, 66688),
+    (1, 32, 8, 128, 2040, False, 266368), (1, 32, 8, 128, 2033, False, 266368),
+    (1, 32, 8, 128, 4088, False, 532608), (1, 32, 8, 128, 4081, False, 532608),
+    (1, 32, 8, 128, 505, False, 0), (1, 32, 8, 128, 497, False, 0), (1, 32, 8, 128, 1023, False, 133248),
+    (1, 32, 8, 128, 2047, False, 266368), (1, 14, 2, 64, 6000, False, 118400),
+    (2, 28, 4, 128, 3333, False, 466048), (1, 64, 8, 128, 700, False, 133248),
+    (1, 24, 24, 128, 5000, True, 99968), (6, 16, 8, 128, 2000, False, 199808),
+    (1, 48, 48, 128, 1500, True, 99968), (3, 12, 12, 64, 2222, False, 38272),
+    (1, 96, 8, 128, 4096, False, 1597568), (1, 32, 4, 128, 32768, False, 1065088),
+    (1, 32, 1, 128, 32768, False, 1065088), (2, 16, 2, 256, 9000, False, 2113664),
+    (1, 8, 8, 256, 1017, True, 66176), (2, 32, 8, 128, 4095, False, 532608),
+    (1, 8, 4, 256, 8001, False, 264320), (1, 32, 8, 128, 513, False, 66688),
+    (1, 8, 4, 256, 8193, False, 528512), (8, 12, 12, 64, 1001, False, 0), (8, 32, 32, 96, 1001, False, 0),
+    (2, 8, 4, 256, 4095, False, 528512), (4, 8, 4, 256, 1023, False, 264320),
+    (2, 32, 32, 128, 4096, True, 133248), (1, 8, 8, 256, 4096, True, 264320),
+    (2, 8, 8, 256, 4096, True, 264320), (1, 32, 32, 96, 2047, True, 100480),
+]
+
+
+@pytest.mark.parametrize("batch, query_heads, key_heads, head_dim, keys, masked, measured", DECODE_WORKSPACES)
+def test_the_decode_workspace_is_the_measured_one(batch, query_heads, key_heads, head_dim, keys, masked, measured):
+    assert cudnn_decode_workspace_bytes(batch, query_heads, key_heads, keys, head_dim) == measured
+    query = bhld(batch, query_heads, 1, head_dim)
+    key, value = bhld(batch, key_heads, keys, head_dim), bhld(batch, key_heads, keys, head_dim)
+    kwargs = {"enable_gqa": key_heads != query_heads}
+    if masked:
+        kwargs["attn_mask"] = torch.empty(batch, 1, 1, keys, dtype=torch.bool, device="meta")
+    requests, _ = traced_call(query, key, value, **kwargs)
+    output = batch * query_heads * head_dim * 2
+    head = [(A, 2), (A, 2), (A, batch * keys * 2), (FREE, (2, 2))] if masked else []
+    bias = (batch * keys * 2,) if masked else ()
+    workspace = (measured,) if measured else ()
+    tail = [(A, size) for size in workspace] + [(FREE, tuple(sorted((8, 8, *bias, *workspace))))]
+    assert requests == head + [(A, 8), (A, 8), (A, output)] + tail
 
 
 @pytest.mark.parametrize("name, make, kwargs, expected, strides", CASES, ids=[c[0] for c in CASES])

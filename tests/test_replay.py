@@ -13,7 +13,7 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import load_config, parse_config
 from lab_helpers.real.predict import fake_process_group, predict_model
 from lab_helpers.real.replay import (TRACED_DECODE_STEPS, RunTrace, decode_expandable, expand_decode,
-                                     replay_rank, traced_decode_steps)
+                                     decode_workspace_affine, replay_rank, traced_decode_steps)
 from lab_helpers.real.spec import RunSpec, recorded_steps
 from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
 from lab_helpers.real.traces import TraceSession
@@ -146,6 +146,9 @@ DOCUMENT_CASES = [
     ("gemma-3-4b-text/2,window-16", "bfloat16", 1, 8, 12, 1, False),  # starts cropping mid-run
     ("odd-even-vocabulary", "bfloat16", 5, 61, 10, 2, True),
     ("kv-heavy", "bfloat16", 16, 16, 52, 1, True),  # runs out in decode step 48 just under its peak
+    # cuDNN's decode workspace splits the keys in powers of two by length: from 509 keys here
+    ("tiny", "bfloat16", 1, 500, 20, 1, False),  # a split count that changes mid-run: traced whole
+    ("tiny", "bfloat16", 1, 600, 20, 1, True),  # the same split count in every step
 ]
 EXPANDABLE = allocator_settings("expandable_segments:True")
 
@@ -177,7 +180,8 @@ def test_fast_predictions_equal_the_full_trace_under_every_allocator(name, dtype
     spec = RunSpec(name, dtype=dtype, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=3,
                    tensor_parallel=degree)
     fast_cache, full_cache = TraceCache(None), TraceCache(None)
-    assert decode_expandable(shape, context, new_tokens) is extended
+    assert (decode_expandable(shape, context, new_tokens)
+            and decode_workspace_affine(shape, batch, degree, context, new_tokens)) is extended
     for settings in (DEFAULT_SETTINGS, EXPANDABLE):
         free = document(shape, spec, settings, None, full_cache, False)
         assert document(shape, spec, settings, None, fast_cache, True) == free
@@ -300,8 +304,8 @@ def test_an_unexpandable_model_is_traced_whole(monkeypatch):
 
 
 @pytest.mark.parametrize("rule, extended", [
-    (lambda batch, heads, kv: 0 if kv < 40 else 4 * batch * heads * 32 * (kv + 2) + 128, False),  # from 40 keys
-    (lambda batch, heads, kv: 512 * batch * heads + 16 * kv, True),  # affine in the key length
+    (lambda batch, heads, key_heads, kv, dim: 0 if kv < 40 else 4 * batch * heads * dim * 4 + 128, False),  # from 40
+    (lambda batch, heads, key_heads, kv, dim: 512 * batch * heads + 16 * kv, True),  # affine in the key length
 ])
 def test_a_decode_workspace_whose_rule_changes_mid_run_is_traced_whole(monkeypatch, rule, extended):
     """cuDNN's decode workspace as the tracer models it: a rule that changes at some key length after

@@ -91,13 +91,19 @@ def decode_expandable(shape, context: "int | None" = None, new_tokens: "int | No
     return all(context + new_tokens + WINDOW_MARGIN <= w or context >= w + WINDOW_MARGIN for w in windows)
 
 
-def decode_workspace_affine(batch: int, heads: int, context: int, new_tokens: int) -> bool:
-    """Whether the tracer's cuDNN decode workspace (lab_helpers.real.tracer.cudnn_decode_workspace_bytes)
-    is affine in the key length over every decode step of the run: a workspace that changes its rule at
-    some length (a split count, a threshold) between the traced steps and the last would not be seen by
-    the check of the traced steps, so such a run is traced whole."""
+def decode_workspace_affine(shape, batch: int, tensor_parallel: int, context: int, new_tokens: int) -> bool:
+    """Whether the tracer's cuDNN decode workspace (lab_helpers.real.tracer.cudnn_decode_workspace_bytes:
+    the keys split in powers of two by length) is affine in the key length over every decode step of
+    the run, for one rank's heads: a rule that changes at some length between the traced steps and
+    the last would not be seen by the check of the traced steps, so such a run is traced whole (as is
+    one where the rule cannot be evaluated here)."""
     from lab_helpers.real.tracer import cudnn_decode_workspace_bytes
-    sizes = [cudnn_decode_workspace_bytes(batch, heads, kv) for kv in range(context + 1, context + new_tokens + 1)]
+    heads, key_heads = shape.heads // tensor_parallel, max(shape.kv_heads // tensor_parallel, 1)
+    try:
+        sizes = [cudnn_decode_workspace_bytes(batch, heads, key_heads, kv, shape.value_dim)
+                 for kv in range(context + 1, context + new_tokens + 1)]
+    except TypeError:  # another signature: nothing is known of its rule
+        return False
     return all(b - a == sizes[1] - sizes[0] for a, b in zip(sizes, sizes[1:]))
 
 

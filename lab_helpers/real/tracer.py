@@ -99,19 +99,30 @@ def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: in
     return accumulator_bytes * outputs * ctas, 4 * grid_x
 
 
-def cudnn_decode_workspace_bytes(batch: int, heads: int, kv_length: int) -> int:
-    """Workspace of cuDNN attention for one query token over `kv_length` keys: not predicted (0).
+def cudnn_decode_workspace_bytes(batch: int, query_heads: int, key_heads: int, kv_length: int,
+                                 head_dim: int) -> int:
+    """Workspace of cuDNN attention for one query token over `kv_length` keys (bytes requested).
 
-    A known gap. On the H200 (torch 2.11.0+cu130, 2026-12-01) the decode calls allocated a
-    workspace and freed it before returning: 532608 bytes (batch 2, 32 query / 8 key-value
-    heads, head dim 128, 4095 keys, no mask), 264320 (1, 8 / 4, 256, 8001 keys, no mask),
-    133248 (1 and 2, 32 heads, 128, 4096 keys, masked), 264320 (1, 8, 256, 4096, masked),
-    100480 (1, 32, 96, 2047, masked), 528512 and 66176 (Gemma 3, 8 / 4 heads, 256), 50816
-    (GPT-2, 4, 12, 64, 516 keys); none at (8, 12, 64, 1001) and (8, 32, 96, 1001). Its
-    formula (cuDNN's plan for that shape) is not known and is not fitted to these few points:
-    the prediction leaves it out, so a decode step whose peak is this call is under by up to
-    the workspace rounded to 512 bytes (and by a 2 MiB segment where one would be made)."""
-    return 0
+    cuDNN splits the keys of a decode call across thread blocks when there are few (batch x
+    key-value head) pairs, then merges the splits from a workspace: per (batch, query head,
+    split) a float32 partial output of `head_dim` values, then two float32 statistics each
+    (that array padded to 256 bytes), then 128 bytes. The number of splits is a power of two:
+    the smallest that leaves at most 254 keys a split, at most 256 // (batch x key-value heads)
+    (rounded down to a power of two), at most 64; below 4 the keys are not split and nothing is
+    allocated. Derived from 73 decode calls measured on the H200 (torch 2.11.0+cu130,
+    2026-12-01: masked and unmasked, head dims 64 / 96 / 128 / 256, 8 to 96 query and 1 to 48
+    key-value heads, batch 1 to 16, 100 to 32768 keys), which it reproduces to the byte
+    (tests/test_attention_backends.py holds them); elsewhere the same rule, unverified."""
+    pairs = batch * key_heads
+    if pairs <= 0 or kv_length <= 0:
+        return 0
+    by_length = 1 << max(0, (-(-kv_length // 254) - 1).bit_length())
+    by_blocks = 1 << ((256 // pairs).bit_length() - 1) if pairs <= 256 else 0
+    splits = min(by_length, by_blocks, 64)
+    if splits < 4:
+        return 0
+    units = batch * query_heads * splits
+    return units * head_dim * 4 + -(-units * 8 // 256) * 256 + 128
 
 
 # The scaled_dot_product_attention backends, as aten/src/ATen/native/transformers/cuda/
@@ -433,12 +444,12 @@ class AllocationTracer(TorchDispatchMode):
         batch, heads, q_length, _ = query.shape
         kv_length, v_dim = key.shape[-2], value.shape[-1]
         if sdpa_backend(query, key, value, attn_mask, dropout_p, enable_gqa, self.behaviour) == CUDNN:
-            return self._cudnn_attention(query, attn_mask, batch, heads, q_length, kv_length, v_dim)
+            return self._cudnn_attention(query, attn_mask, batch, heads, q_length, kv_length, v_dim, key.shape[1])
         fused = attn_mask is None and dropout_p == 0.0 and query.shape[-1] <= 128
         if fused and query.dtype in (torch.float16, torch.bfloat16):
             # not cuDNN's filters (e.g. a head dim not a multiple of 8): flash attention on
             # CUDA, whose padded copies are not measured; modelled as cuDNN's sequence
-            return self._cudnn_attention(query, None, batch, heads, q_length, kv_length, v_dim)
+            return self._cudnn_attention(query, None, batch, heads, q_length, kv_length, v_dim, None)
         if fused and not enable_gqa:
             # memory-efficient attention: the output only (no logsumexp in inference)
             with self:
@@ -450,7 +461,7 @@ class AllocationTracer(TorchDispatchMode):
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
                 enable_gqa=enable_gqa)[0]
 
-    def _cudnn_attention(self, query, attn_mask, batch, heads, q_length, kv_length, v_dim):
+    def _cudnn_attention(self, query, attn_mask, batch, heads, q_length, kv_length, v_dim, key_heads):
         """cuDNN attention's allocations, in the order measured on the H200 (torch 2.11.0+cu130).
 
         A boolean mask first becomes an additive bias in q's dtype (attention.cpp,
@@ -459,7 +470,9 @@ class AllocationTracer(TorchDispatchMode):
         kept and expanded (stride 0) dims made whole ((2, 1, 1, 4096) with batch stride 0:
         16384 bytes in bf16), then the scalars freed. Then the philox seed and offset, the
         output in q's layout (cudnn_output_like), the workspace, freed before the call
-        returns; the bias is freed last. An additive (non-boolean) mask is passed through."""
+        returns; the bias is freed last. An additive (non-boolean) mask is passed through.
+        `key_heads` None: a call cuDNN would not take, given cuDNN's prefill sequence and no
+        decode workspace (cudnn_decode_workspace_bytes models cuDNN's split of the keys only)."""
         bias = None
         with self:
             if attn_mask is not None and attn_mask.dtype is torch.bool:
@@ -471,8 +484,8 @@ class AllocationTracer(TorchDispatchMode):
             out = cudnn_output_like(query, v_dim)
         if q_length > 1:
             self._scratch(self.behaviour.cudnn_prefill_workspace_bytes)
-        else:
-            self._scratch(cudnn_decode_workspace_bytes(batch, heads, kv_length))
+        elif key_heads is not None:
+            self._scratch(cudnn_decode_workspace_bytes(batch, heads, key_heads, kv_length, v_dim))
         del seed, offset, bias
         return out
 

@@ -61,7 +61,7 @@ class TraceSession:
         self.load(mesh)
         steps = traced_decode_steps(self.shape)
         if (self.expand and new_tokens > steps and decode_expandable(self.shape, context, new_tokens)
-                and decode_workspace_affine(batch, self.shape.heads // self.tensor_parallel, context, new_tokens)):
+                and decode_workspace_affine(self.shape, batch, self.tensor_parallel, context, new_tokens)):
             expanded = expand_decode(self._run(batch, context, steps, mesh), new_tokens)
             if expanded is not None:
                 return expanded
