@@ -251,7 +251,9 @@ def test_hanging_point_is_killed_with_its_group_and_recorded_as_timeout(tmp_path
     started = time.monotonic()
     assert main(["--dimension", "batch", "--values", "1", "2", "--bisect", "--point-timeout-seconds", "1",
                  "--output-dir", str(out)]) == 1
-    assert time.monotonic() - started < 20
+    # a hang guard only (the hanging child would sleep far longer): the 1 s timeout ends it in about
+    # a second on an idle machine; 120 s leaves any loaded machine room
+    assert time.monotonic() - started < 120
     assert capsys.readouterr().err == ""
     assert sweep.read_summary(out / "summary.csv") == [expected_row(
         "batch", 1, "timeout", reason="no result within 1 s; its process group was killed")]
@@ -259,7 +261,7 @@ def test_hanging_point_is_killed_with_its_group_and_recorded_as_timeout(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["summary.csv"]
     if mode == "hang_group":
         pid = int(program.pidfile.read_text())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # waits for the kill to land, not a speed bound
         while not process_gone(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert process_gone(pid), "the measure child's own child survived"
@@ -270,7 +272,7 @@ def test_a_grandchild_left_behind_does_not_hold_the_sweep(tmp_path, fake):
     started = time.monotonic()
     rows = sweep.run_sweep("batch", tmp_path / "out", values=[1], measure_command=program.command,
                            point_timeout_seconds=2, progress=False)
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 120  # a hang guard: the grandchild must not hold the sweep open
     assert [(r["status"], r["reason"]) for r in rows] == [("error", "measure exited with code 2")]
     pid = int(program.pidfile.read_text())
     deadline = time.monotonic() + 10

@@ -460,9 +460,9 @@ def test_usable_memory_child_command(mm):
 def test_usable_memory_bookkeeping_with_a_fake_child(mm, script, expected):
     started = time.monotonic()
     assert mm.usable_memory(0, command=[sys.executable, "-c", script], timeout_seconds=1) == expected
-    # guards against waiting for the silent child (it sleeps 600 s): the 1 s timeout must end it;
-    # 60 s leaves room for a machine under load
-    assert time.monotonic() - started < 60
+    # a hang guard only, against waiting for the silent child (it sleeps 600 s): the 1 s timeout
+    # must end it; 300 s leaves any loaded machine room and still fails long before the child wakes
+    assert time.monotonic() - started < 300
 
 
 def test_environment_without_gpu_says_usable_memory_is_unavailable(mm_script):

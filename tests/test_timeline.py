@@ -314,7 +314,7 @@ def test_hostile_explain_inputs_one_line_exit_2(tmp_path, capsys):
     for name, path in paths.items():
         started = time.monotonic()
         code, out, err = run_cli(capsys, "explain", path, "--format", "json")
-        assert time.monotonic() - started < 10, name
+        assert time.monotonic() - started < 60, name  # a hang guard: each refusal takes milliseconds
         assert out == "", name
         one_line_error(code, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
