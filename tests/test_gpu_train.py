@@ -1,16 +1,28 @@
 """Training measured on a CUDA GPU against its prediction (marker `gpu`): the synthetic network
-(AdamW foreach, AdamW fused, SGD with momentum) and two layers of qwen1.5-0.5b (full fine-tuning,
-AdamW, bfloat16 weights, with and without gradient checkpointing). Each run is measured in a fresh
-process; each is a few seconds on the GPU.
+(AdamW foreach, AdamW fused, SGD with momentum), two layers of qwen1.5-0.5b (full fine-tuning, AdamW,
+bfloat16 weights, with and without gradient checkpointing, and LoRA), and the acceptance table of
+three real families (Llama, Qwen3, GPT-NeoX), each cut to 2 layers (widths, heads and vocabulary
+kept), at four (batch, context) points, for full AdamW, LoRA rank 8 and full AdamW with gradient
+checkpointing: 36 runs of 3 optimizer steps, 14 records each.
 
     ITERAGPU_TEST_DEVICE=cuda:0 python3 -m pytest -o addopts= -m gpu tests/test_gpu_train.py
 
-With ITERAGPU_REPORT_DIR set, every record's six counters (measured, predicted, difference) are
-appended to train-acceptance.jsonl there."""
+Every run is measured in a fresh process of its own (`real_model measure --task train`), as a user
+runs it: no CUDA context, workspace or cached segment of an earlier run. The acceptance table's runs
+go ITERAGPU_TRAIN_WORKERS at a time (default 6): each process has its own caching allocator, whose
+counters no other process changes, and the 36 runs together stay under 80 GB of the device. Their
+comparisons (the run traced on meta, `real_model compare`) run in their own processes beside them.
+
+What is asserted (the acceptance bounds of issue 21): allocated at the start and end of every phase
+exact (0 bytes); peak allocated within 0.1 % of the measured; reserved (start, end, peak) within 1 %.
+With ITERAGPU_TRAIN_STRICT=1 every counter must be exact (0 bytes). With ITERAGPU_REPORT_DIR set,
+every record's six counters (measured, predicted, difference) are appended to train-acceptance.jsonl
+there, and one line per run (the largest difference of each counter) to train-acceptance-summary.jsonl."""
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,11 +47,11 @@ COUNTERS = ("baseline_allocated_bytes", "baseline_reserved_bytes", "end_allocate
             "peak_allocated_bytes", "peak_reserved_bytes")
 
 
-def report(row: dict) -> None:
+def report(row: dict, name: str = "train-acceptance.jsonl") -> None:
     folder = os.environ.get("ITERAGPU_REPORT_DIR")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        with open(Path(folder) / "train-acceptance.jsonl", "a", encoding="utf-8") as handle:
+        with open(Path(folder) / name, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"device": TEST_DEVICE, **row}) + "\n")
 
 
@@ -105,12 +117,17 @@ def test_two_layers_of_qwen_full_fine_tuning(tmp_path, flags):
             assert row[f"difference_{key}"] == 0, (where, key, row)
 
 
-# Measured on the H200 (2026-12-01): allocated exact in every record; reserved 77594624 bytes above the
-# prediction from backward 1 on, a segment the replay does not make: not yet explained, so not hidden.
-@pytest.mark.xfail(strict=True, reason="LoRA's reserved is 77594624 bytes above the prediction from backward 1 on "
-                                      "(H200, 2026-12-01); allocated is exact")
+# Measured on the H200 (2026-12-01, commit 5e63d8a): allocated exact in every record, reserved 77594624
+# bytes above the prediction of that commit from backward 1 on. The cause was the tracer's cache of
+# output layouts: aten._unsafe_view (the view back to 3-D after each product of a 3-D input, which peft's
+# adapters add) returns its input's storage without saying so in its schema, and the cache gave its
+# repeated calls a fresh storage, an allocation the GPU never made. The blocks then lay elsewhere: the
+# replay made a 2 MiB segment too many at forward 0 and, at backward 1, not the 76 MiB segment the GPU
+# made for a float32 tensor of the logits' size (76 MiB - 2 MiB = 77594624 bytes). Since 3e0647e an output that shares an
+# input's storage is never cached: that same run's records, replayed by today's
+# tracer, are exact in all six counters (tests/test_train_real.py pins them), so the test asserts 0 bytes.
 def test_two_layers_of_qwen_lora(tmp_path):
-    # the GPU image has no peft of its own: install the wheel the lab pins (peft==0.21.2) first
+    # the GPU image has peft 0.21.0: install the wheel the lab pins (peft==0.21.2) first
     pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): the LoRA run was NOT checked")
     out = tmp_path / "lora.json"
     proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config", str(_qwen_two_layers(tmp_path)),
@@ -124,3 +141,107 @@ def test_two_layers_of_qwen_lora(tmp_path):
         where = f"{row['phase']} {row['index']}"
         for key in COUNTERS:
             assert row[f"difference_{key}"] == 0, (where, key, row)
+
+
+# ------------------------------------------------------------------------------- the acceptance table
+# Each family's bundled shape cut to 2 layers, its widths, heads and vocabulary kept; bfloat16 weights.
+FAMILIES = ("llama-3.1-8b", "qwen3-8b", "pythia-1.4b")  # llama, qwen3, gpt_neox
+# (batch, context): batch x context stays at most 3072, the embedding backward's direct path on CUDA
+# (above it, its sort-based path allocates temporaries the trace does not add: the prediction says so)
+POINTS = ((1, 128), (2, 512), (8, 256), (1, 3072))
+MODES = {"full": (), "lora": ("--train", "lora", "--lora-rank", "8"),
+         "checkpointing": ("--gradient-checkpointing",)}
+ACCEPTANCE_STEPS = 3
+WORKERS = int(os.environ.get("ITERAGPU_TRAIN_WORKERS", "6"))
+STRICT = os.environ.get("ITERAGPU_TRAIN_STRICT") == "1"
+PEAK_ALLOCATED_BOUND = 0.001  # issue 21: peaks within 0.1 % allocated...
+RESERVED_BOUND = 0.01  # ...and 1 % reserved; allocated at the start and end of each phase exact
+
+
+def family_config(folder: Path, family: str) -> Path:
+    path = folder / f"{family}-2-layers.json"
+    if not path.exists():
+        raw = json.loads((ROOT / "data" / "models" / f"{family}.json").read_text())
+        raw["num_hidden_layers"] = 2
+        path.write_text(json.dumps(raw))
+    return path
+
+
+def measure_and_compare(folder: Path, family: str, point: tuple, mode: str) -> dict:
+    """Measure one run in a fresh process, then compare it in another: {"compare": ...} or {"error": ...}."""
+    batch, context = point
+    out = folder / f"{family}-{batch}x{context}-{mode}.json"
+    proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config", str(family_config(folder, family)),
+               "--dtype", "bfloat16", "--batch", str(batch), "--context", str(context), "--steps", str(ACCEPTANCE_STEPS),
+               *MODES[mode], "--device", CHILD_DEVICE, "--output", str(out))
+    if proc.returncode != 0:
+        return {"error": f"measure exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    proc = run("-m", "lab_helpers.real_model", "compare", str(out))
+    if proc.returncode != 0:
+        return {"error": f"compare exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    return {"compare": json.loads(proc.stdout)}
+
+
+def _selected(request) -> list:
+    """The (family, point, mode) runs this session selected (-k and friends): only those are measured."""
+    wanted = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "originalname", None) == "test_acceptance_table" and params:
+            key = (params["family"], params["point"], params["mode"])
+            if key not in wanted:
+                wanted.append(key)
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def acceptance(request, tmp_path_factory):
+    runs = _selected(request)
+    if any(mode == "lora" for _, _, mode in runs):
+        pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): LoRA was NOT checked")
+    folder = tmp_path_factory.mktemp("acceptance")
+    for family in {family for family, _, _ in runs}:
+        family_config(folder, family)  # written once, before the workers read them
+    with ThreadPoolExecutor(max_workers=max(1, WORKERS)) as pool:
+        futures = {key: pool.submit(measure_and_compare, folder, *key) for key in runs}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def bound_problems(rows: list) -> list:
+    """(record, counter, difference, bound) of every difference beyond what the test asserts."""
+    problems = []
+    for row in rows:
+        where = f"{row['phase']} {row['index']}"
+        for key in COUNTERS:
+            difference, measured = row[f"difference_{key}"], row[f"measured_{key}"]
+            if STRICT or key in ("baseline_allocated_bytes", "end_allocated_bytes"):
+                bound = 0
+            elif key == "peak_allocated_bytes":
+                bound = PEAK_ALLOCATED_BOUND * measured
+            else:
+                bound = RESERVED_BOUND * measured
+            if abs(difference) > bound:
+                problems.append((where, key, difference, bound))
+    return problems
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("point", POINTS, ids=[f"{b}x{t}" for b, t in POINTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_acceptance_table(acceptance, family, point, mode):
+    outcome = acceptance[(family, point, mode)]
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["compare"]
+    rows = result["rows"]
+    assert len(rows) == 2 + 4 * ACCEPTANCE_STEPS
+    label = {"model": f"{family}, 2 layers", "batch": point[0], "context": point[1], "mode": mode,
+             "flags": list(MODES[mode])}
+    for row in rows:
+        report(label | row)
+    largest = {key: max((row[f"difference_{key}"] for row in rows), key=abs) for key in COUNTERS}
+    report(label | {"summary": True, "records": len(rows), "largest_difference": largest,
+                    "exact": all(v == 0 for v in largest.values()),
+                    "peak_allocated_worst_relative": result["peak_allocated_worst_relative"],
+                    "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
+           "train-acceptance-summary.jsonl")
+    assert bound_problems(rows) == []

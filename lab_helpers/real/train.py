@@ -261,6 +261,7 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
     OutOfMemory when the run does not fit."""
     import torch
 
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.tracer import CappedAllocator
     from lab_helpers.real.train_trace import TrainingTracer
     tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
@@ -276,6 +277,9 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
         try:
             with tracer:
                 result = action()
+        except OutOfMemory as exc:
+            exc.phase, exc.index = name, index  # where the capped replay ran out: the phase a GPU run fails in
+            raise
         finally:
             tracer.backward = False
         tracer.collect(settled=True)

@@ -12,7 +12,6 @@ import torch
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.tracer import AllocationTracer
 
-aten = torch.ops.aten
 
 
 class TrainingTracer(AllocationTracer):
@@ -35,7 +34,7 @@ class TrainingTracer(AllocationTracer):
         self.cublas_ready, self.cublaslt_ready = self._ready[self._on_backward]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is aten._local_scalar_dense.default and args and args[0].device.type == "meta":
+        if func is torch.ops.aten._local_scalar_dense.default and args and args[0].device.type == "meta":
             # transformers' packed-sequence check, (packed[:, -1] == 0).all(), on position ids
             # 0..T-1 in every row: True on the GPU. No other branch of the step reads a value.
             if args[0].dtype is torch.bool:
