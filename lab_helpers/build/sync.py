@@ -46,6 +46,8 @@ NOTEBOOK_ROOTS = {
         "lab_helpers/views/plots.py",
         "lab_helpers/views/timeline.py",
         "lab_helpers/views/explain.py",
+        "lab_helpers/real/train.py",
+        "lab_helpers/real/train_facts.py",
     ),
     "notebooks/real-model.ipynb": (
         "lab_helpers/real/predict.py",

@@ -151,7 +151,7 @@ def plot_prediction(comparison, ax=None):
 
 
 KIND_COLOURS = {"weights": "#4c72b0", "inputs": "#55a868", "workspace": "#8172b3", "activations": "#dd8452",
-                "kv_cache": "#c44e52"}
+                "kv_cache": "#c44e52", "gradients": "#937860", "optimizer_states": "#da8bc3"}
 BY_KIND_KEY = "end_allocated_bytes_by_kind"
 
 
@@ -159,7 +159,8 @@ def bytes_by_kind(document) -> dict:
     """Per phase label, the end allocated bytes split by kind and the end reserved bytes:
     {"labels", "kinds", "by_kind" {kind: [bytes per phase]}, "reserved" [bytes per phase]}.
     Needs a document whose phases carry ``end_allocated_bytes_by_kind``: a prediction of
-    the synthetic network's predict or real_model.predict_model (adds kv_cache)."""
+    the synthetic network's predict or real_model.predict_model (adds kv_cache), or of a training
+    run (adds gradients and optimizer_states; its activations are what autograd saved for backward)."""
     phases = _document(document)["phases"]
     kinds = []
     for i, p in enumerate(phases):
@@ -182,7 +183,7 @@ def bytes_by_kind(document) -> dict:
 
 def plot_bytes_by_kind(prediction_or_labelled, measurement=None, ax=None):
     """Where the bytes go: per phase, end allocated as a bar stacked by kind (weights, inputs,
-    workspace, activations, KV cache where the document has it) beside end reserved; a measurement's
+    workspace, activations, KV cache, gradients and optimizer states where the document has them) beside end reserved; a measurement's
     end allocated and end reserved drawn over them as markers (the same phases, in order)."""
     data = bytes_by_kind(prediction_or_labelled)
     measured = None
