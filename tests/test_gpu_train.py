@@ -123,9 +123,9 @@ def test_two_layers_of_qwen_full_fine_tuning(tmp_path, flags):
 # adapters add) returns its input's storage without saying so in its schema, and the cache gave its
 # repeated calls a fresh storage, an allocation the GPU never made. The blocks then lay elsewhere: the
 # replay made a 2 MiB segment too many at forward 0 and, at backward 1, not the 76 MiB segment the GPU
-# made for a float32 tensor of the logits' size (76 MiB - 2 MiB = 77594624 bytes). Since 3e0647e an output that shares an
-# input's storage is never cached: that same run's records, replayed by today's
-# tracer, are exact in all six counters (tests/test_train_real.py pins them), so the test asserts 0 bytes.
+# made for a float32 tensor of the logits' size (76 MiB - 2 MiB = 77594624 bytes). Since 3e0647e an
+# output that shares an input's storage is never cached: that same run's records, replayed by today's
+# tracer, are exact in all six counters (tests/test_train_real.py pins them), so this test asserts 0 bytes.
 def test_two_layers_of_qwen_lora(tmp_path):
     # the GPU image has peft 0.21.0: install the wheel the lab pins (peft==0.21.2) first
     pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): the LoRA run was NOT checked")

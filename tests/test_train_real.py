@@ -303,3 +303,28 @@ def test_a_capped_prediction_names_the_phase_it_runs_out_in():
         predict_training_model(shape, spec, budget)
     assert (caught.value.phase, caught.value.index) == ("backward", 0)
     assert caught.value.reserved_bytes + caught.value.segment_bytes > budget
+
+
+def test_the_training_facts_hold_on_the_prediction_and_name_what_breaks(tiny_pair):
+    from lab_helpers.core.errors import LabError
+    from lab_helpers.real.train_facts import checkpointing_savings, expected_bytes, training_facts
+    plain, checkpointed = tiny_pair
+    expected = expected_bytes(plain)
+    rows = training_facts(plain, **expected)
+    assert len(rows) == 4 * 2 and all(r["holds"] for r in rows), rows
+    first = next(r for r in rows if r["phase"] == "optimizer_step 0")
+    assert first["bytes"] == expected["optimizer_state_bytes"] == 2 * expected["gradient_bytes"][0]
+    savings = checkpointing_savings(plain, checkpointed)
+    phases = {(p["phase"], p["index"]): p for d in (plain,) for p in d["phases"]}
+    ckpt = {(p["phase"], p["index"]): p for p in checkpointed["phases"]}
+    assert savings["backward_peak_bytes"] == (phases[("backward", 1)]["peak_allocated_bytes"]
+                                              - ckpt[("backward", 1)]["peak_allocated_bytes"]) > 0
+    assert savings["saved_activations_bytes"] > 0
+    # a run whose zero_grad freed nothing is reported, not passed
+    broken = json.loads(json.dumps(plain))
+    zero = next(p for p in broken["phases"] if (p["phase"], p["index"]) == ("zero_grad", 1))
+    zero["end_allocated_bytes"] = zero["baseline_allocated_bytes"]
+    failed = [r for r in training_facts(broken, **expected) if not r["holds"]]
+    assert [(r["phase"], r["bytes"]) for r in failed] == [("zero_grad 1", 0)]
+    with pytest.raises(LabError, match="no optimizer_step"):
+        training_facts({"phases": []}, **expected)
