@@ -328,3 +328,18 @@ def test_the_training_facts_hold_on_the_prediction_and_name_what_breaks(tiny_pai
     assert [(r["phase"], r["bytes"]) for r in failed] == [("zero_grad 1", 0)]
     with pytest.raises(LabError, match="no optimizer_step"):
         training_facts({"phases": []}, **expected)
+
+
+def test_a_lora_measurement_with_peft_default_targets_compares_on_the_command_line(capsys, tmp_path):
+    # its configuration leaves lora_targets out (the schema takes a list or nothing, never null)
+    pytest.importorskip("peft")
+    shape = parse_config(dict(TINY, num_hidden_layers=2), "tiny")
+    document = measurement_from(predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=1, context=16,
+                                                                        steps=2, train="lora", lora_rank=4)))
+    assert "lora_targets" not in document["configuration"] and document["configuration"]["lora_rank"] == 4
+    assert measurement_problems(document) == []
+    path = tmp_path / "lora.json"
+    path.write_text(json.dumps(document))
+    code, out, err = run_main(capsys, "compare", path)
+    assert code == 0, err
+    assert json.loads(out)["allocated_exact"] is True

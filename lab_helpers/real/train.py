@@ -99,7 +99,9 @@ class TrainSpec:
         record = {"kind": "transformers", "task": "train", **asdict(self)}
         if self.train != "lora":
             del record["lora_rank"], record["lora_targets"]
-        elif self.lora_targets is not None:
+        elif self.lora_targets is None:
+            del record["lora_targets"]  # peft's defaults for the model type; the schema takes a list or nothing
+        else:
             record["lora_targets"] = list(self.lora_targets)
         return record
 
