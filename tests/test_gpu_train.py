@@ -1,5 +1,5 @@
 """Training measured on a CUDA GPU against its prediction (marker `gpu`): the synthetic network
-(AdamW foreach, AdamW fused, SGD with momentum), two layers of qwen1.5-0.5b (full fine-tuning, AdamW,
+(AdamW foreach at four points, AdamW fused, SGD with momentum), two layers of qwen1.5-0.5b (full fine-tuning, AdamW,
 bfloat16 weights, with and without gradient checkpointing, and LoRA), and the acceptance table of
 three real families (Llama, Qwen3, GPT-NeoX), each cut to 2 layers (widths, heads and vocabulary
 kept), at four (batch, context) points, for full AdamW, LoRA rank 8 and full AdamW with gradient
@@ -77,6 +77,10 @@ SYNTHETIC = [
     (("--fused",), ("--batch", "1", "--context", "16", "--width", "64")),
     (("--optimizer", "sgd"), ("--batch", "1", "--context", "16", "--width", "64")),
     ((), ("--batch", "2", "--context", "32", "--width", "256", "--dtype", "bfloat16")),
+    # two more points of AdamW (four in all), the loss's mean over at most 65536 values: a CUDA
+    # reduction splits across thread blocks, with a staging buffer the trace does not add, from about 131072
+    ((), ("--batch", "4", "--context", "64", "--width", "256")),
+    ((), ("--batch", "8", "--context", "16", "--width", "512", "--dtype", "bfloat16")),
 ]
 
 
