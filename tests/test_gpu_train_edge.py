@@ -115,19 +115,20 @@ def test_fit_task_train_largest_batch_is_the_measured_boundary(tmp_path, ballast
     report({"budget_bytes": budget, "largest": largest, "exits": {b: o[0] for b, o in outcomes.items()},
             "stderr_one_past": outcomes[largest + 1][2]})
 
-    # the largest batch runs, and equals its prediction in every counter, unbounded and under the budget
+    # the largest batch runs, and equals its prediction under the budget in every counter (the replay
+    # capped there releases free cached segments where the GPU's cudaMalloc would fail, as PyTorch does)
     code, path, stderr = outcomes[largest]
     assert code == 0, stderr
     document = json.loads(path.read_text())
-    result = compare_training_model(document)
+    unbounded = compare_training_model(document)
     capped = predict_training_model(shape, TrainSpec(shape.name, batch=largest, context=CONTEXT, steps=STEPS), budget)
-    report({"batch": largest, "compare": result, "capped_overall": capped["overall"],
+    report({"batch": largest, "compare_unbounded": unbounded, "capped_overall": capped["overall"],
             "headroom_bytes": budget - capped["overall"]["peak_reserved_bytes"]})
-    differences = [(row["phase"], row["index"], key, row[f"difference_{key}"]) for row in result["rows"]
-                   for key in COUNTER_KEYS if row[f"difference_{key}"]]
+    assert [(p["phase"], p["index"]) for p in document["phases"]] == [(p["phase"], p["index"]) for p in capped["phases"]]
+    differences = [(got["phase"], got["index"], key, got[key] - want[key])
+                   for got, want in zip(document["phases"], capped["phases"]) for key in COUNTER_KEYS
+                   if got[key] != want[key]]
     assert differences == []
-    for got, want in zip(document["phases"], capped["phases"]):
-        assert [got[k] for k in COUNTER_KEYS] == [want[k] for k in COUNTER_KEYS], (got["phase"], got["index"])
 
     # one more fails out of memory, in the phase the replay capped at the budget runs out in
     code, path, stderr = outcomes[largest + 1]
