@@ -148,12 +148,45 @@ def build_kit(repo: Path, output: Path) -> bytes:
     return output.read_bytes()
 
 
+# A 1x1 PNG, as a figure output carries it (base64)
+PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGBgAAAABQABpfZFQAAAAABJRU5ErkJggg=="
+
+
 def run_in_place(path: Path) -> None:
-    """Run every cell of the notebook at `path` on a kernel and save it with its outputs."""
-    from nbclient import NotebookClient
+    """Save the notebook at `path` as a run leaves it: every code cell numbered, with outputs of each
+    kind a run writes (text on stdout and stderr, a result, a figure, an error) and nbclient's timing
+    metadata. The cells are not executed here (that costs a kernel and seconds of CPU per notebook):
+    tests/test_browser.py runs every notebook in JupyterLab, saves it and checks the same clean add;
+    this test is about what git stores and what the kit holds afterwards."""
+    from nbformat.v4 import new_output
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    count = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        count += 1
+        cell.execution_count = count
+        cell.metadata["execution"] = {"iopub.execute_input": "2026-12-01T10:00:00.000001Z",
+                                      "iopub.status.busy": "2026-12-01T10:00:00.000000Z",
+                                      "iopub.status.idle": "2026-12-01T10:00:01.000000Z",
+                                      "shell.execute_reply": "2026-12-01T10:00:01.000000Z"}
+        cell.outputs = [
+            new_output("stream", name="stdout", text=f"cell {count} printed this\n"),
+            new_output("stream", name="stderr", text="a warning\n"),
+            new_output("execute_result", execution_count=count,
+                       data={"text/plain": f"{count}", "text/html": f"<b>{count}</b>"}),
+            new_output("display_data", data={"image/png": PIXEL_PNG, "text/plain": "<Figure size 640x480>"},
+                       metadata={"image/png": {"width": 1, "height": 1}}),
+        ]
+        if count == 1:
+            cell.metadata["scrolled"] = True
+            cell.outputs.append(new_output("error", ename="ValueError", evalue="raised on purpose",
+                                           traceback=["ValueError: raised on purpose"]))
+    nb.metadata["language_info"] = {"name": "python", "version": "3.11.7", "mimetype": "text/x-python",
+                                    "file_extension": ".py", "codemirror_mode": {"name": "ipython", "version": 3},
+                                    "nbconvert_exporter": "python", "pygments_lexer": "ipython3"}
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}, "version_major": 2,
+                                                                           "version_minor": 0}}
     nbformat.write(nb, path)
 
 

@@ -12,6 +12,7 @@ only compares, and exits 1 when one differs.
 import ast
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from lab_helpers.core.files import replace_text
@@ -79,18 +80,26 @@ def read_module(source: str, root: Path = ROOT) -> str:
     return (root / source).read_text(encoding="utf-8")
 
 
+# A sync or a check bundles each module many times (every notebook, both standalone files): the
+# parsing is memoised by the module's text, so an edited file is parsed afresh.
+@lru_cache(maxsize=1024)
+def _imported_modules(text: str) -> tuple:
+    """The package modules a module's text imports from, in the order it names them."""
+    nodes = _package_imports(ast.parse(text))
+    return tuple(node.module for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)))
+
+
 def dependencies(source: str, root: Path = ROOT) -> list:
     """The package modules `source` imports from, in the order it names them."""
     try:
-        tree = ast.parse(read_module(source, root))
-        nodes = _package_imports(tree)
+        modules = _imported_modules(read_module(source, root))
     except BundleError as exc:
         raise BundleError(f"{source}: {exc}") from None
     seen = []
-    for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
-        path = module_path(node.module)
+    for module in modules:
+        path = module_path(module)
         if not (root / path).is_file():
-            raise BundleError(f"{source} imports {node.module}, which is not a module file of the package")
+            raise BundleError(f"{source} imports {module}, which is not a module file of the package")
         if path not in seen:
             seen.append(path)
     return seen
@@ -127,6 +136,11 @@ def section_code(source: str, root: Path = ROOT, notebook: bool = False) -> tupl
     """(docstring, code) of one module as a section: package imports and the main guard dropped.
     A dropped import that was the only statement of its block becomes `pass`."""
     text = NOTEBOOK_FORMS[source] if notebook and source in NOTEBOOK_FORMS else read_module(source, root)
+    return _section_of_text(text)
+
+
+@lru_cache(maxsize=1024)
+def _section_of_text(text: str) -> tuple:
     tree = ast.parse(text)
     lines = text.split("\n")
     drop = {}  # first line index -> (last line index, replacement)
@@ -160,7 +174,8 @@ def section_code(source: str, root: Path = ROOT, notebook: bool = False) -> tupl
     return docstring, code
 
 
-def top_level_definitions(code: str) -> list:
+@lru_cache(maxsize=1024)
+def top_level_definitions(code: str) -> tuple:
     """Names a section defines at top level (functions, classes, assignments), in order."""
     names = []
     for node in ast.parse(code).body:
@@ -169,7 +184,7 @@ def top_level_definitions(code: str) -> list:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.extend(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    return names
+    return tuple(names)
 
 
 def check_unique(sections) -> None:
