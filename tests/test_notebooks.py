@@ -3,6 +3,7 @@
 Cells are numbered from 1, every cell counted (markdown too), as JupyterLab shows them: "cell N"
 means the same cell here, in the kit's refusals and in make sync's messages."""
 import ast
+import functools
 import importlib.util
 import re
 import shutil
@@ -237,6 +238,7 @@ def test_generated_cells_are_collapsed_behind_one_markdown_line(notebook):
     assert first_code < numbers[0], "the parameters come before the generated code"
 
 
+@functools.lru_cache(maxsize=1)  # the package's files do not change during a run: parsed once
 def _library_definitions() -> tuple:
     """Return (name -> module file) for the top-level functions, classes and ALL_CAPS constants of
     lab_helpers, and (int value -> constant name) for its byte-size constants (`*_BYTES`, 512 and more):
