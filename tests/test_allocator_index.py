@@ -141,8 +141,19 @@ class ReferenceCapped(ReferenceAddressed):
 
 
 def state(alloc) -> tuple:
-    pools = tuple(sorted((b.size, b.address, tuple((m.size, m.address, m.free) for m in b.segment))
-                         for b in alloc.free_blocks[small]) for small in (True, False))
+    """Counters, and each free block with the blocks of its segment (each segment walked once: a
+    segment of thousands of blocks would make a walk per free block quadratic)."""
+    segments = {}  # id of a block -> its segment's (size, address, free) tuple
+
+    def segment_of(block):
+        if id(block) not in segments:
+            members = block.segment
+            shape = tuple((m.size, m.address, m.free) for m in members)
+            segments.update((id(m), shape) for m in members)
+        return segments[id(block)]
+
+    pools = tuple(sorted((b.size, b.address, segment_of(b)) for b in alloc.free_blocks[small])
+                  for small in (True, False))
     return (alloc.allocated, alloc.reserved, alloc.peak_allocated, alloc.peak_reserved, pools,
             sorted(getattr(alloc, "holes", [])))
 
