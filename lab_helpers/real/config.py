@@ -5,6 +5,7 @@ numbers); its keys are then read through transformers' own config class (AutoCon
 the family, and the lab keeps only what its figures need. A config names its file or a bundled
 one under data/models/ (architecture facts only, never weights).
 """
+import functools
 import json
 import math
 import re
@@ -342,6 +343,30 @@ def _refuse_before_transformers(raw: dict) -> str:
     return model_type
 
 
+@functools.lru_cache(maxsize=None)
+def causal_lm_architectures() -> dict:
+    """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (model type -> causal language model class), read
+    from the literal in its source file: importing its module imports transformers' generation and
+    distributed code (about 3.5 s of CPU on a 2-core machine, nearly the import of torch and transformers
+    again), which a prediction from a kept trace never needs. Where the literal cannot be read, the
+    module is imported (tests/test_replay.py checks that both give the same names)."""
+    import ast
+
+    import transformers
+    path = Path(transformers.__file__).parent / "models" / "auto" / "modeling_auto.py"
+    try:
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and getattr(node.targets[0], "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "OrderedDict"
+                    and len(node.value.args) == 1 and not node.value.keywords):
+                return dict(ast.literal_eval(node.value.args[0]))
+    except (OSError, SyntaxError, ValueError, TypeError, UnicodeDecodeError):
+        pass
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def parse_config(raw, name: str) -> ModelShape:
     """Check a config dict, read it through transformers' config class and return its shape;
     raise ConfigError naming the key."""
@@ -357,11 +382,10 @@ def parse_config(raw, name: str) -> ModelShape:
     plain_tqdm_in_notebooks()
     from transformers.cache_utils import get_layer_types_and_kwargs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if model_type not in CONFIG_MAPPING_NAMES:
         raise ConfigError(f"config key 'model_type' names {printable(model_type)!r}, a model type transformers "
                           f"{_transformers_version()} does not know (and remote code is never run)")
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    architecture = causal_lm_architectures().get(model_type)
     if architecture is None:
         raise ConfigError(f"config key 'model_type': {model_type!r} has no causal language model in transformers "
                           f"{_transformers_version()} (AutoModelForCausalLM cannot build it)")
