@@ -506,7 +506,8 @@ def test_no_cache_writes_nothing_and_the_cache_answers_the_same(tmp_path, capsys
         assert not (tmp_path / "iteragpu-lab").exists()
         assert main(argv) == 0
         assert capsys.readouterr().out == uncached
-        assert len(list((tmp_path / "iteragpu-lab" / "traces").glob("*.trace"))) == 2
+        # the config's shape, the load and the run
+        assert len(list((tmp_path / "iteragpu-lab" / "traces").glob("*.trace"))) == 3
         assert main(argv) == 0
         assert capsys.readouterr().out == uncached
     finally:
@@ -576,3 +577,24 @@ def test_the_causal_model_names_read_from_the_source_equal_the_imported_ones():
 
     from lab_helpers.real.config import causal_lm_architectures
     assert causal_lm_architectures() == dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@pytest.mark.parametrize("name", ["qwen1.5-0.5b", "gemma-3-4b-text", "mixtral-8x7b", "gpt2", "mistral-7b-v0.1"])
+def test_a_shape_kept_in_the_cache_equals_the_one_read_from_its_config(tmp_path, name):
+    """parse_config's shape through the cache folder: read once through transformers' config class, then
+    taken from the folder (no config class read), equal field for field, parameter count included; a
+    damaged entry is read again and rewritten."""
+    from lab_helpers.real import config
+    from lab_helpers.real.trace_cache import shape_key
+    direct = load_config(name)
+    first = config.load_config(name, TraceCache(tmp_path))
+    assert first == direct
+    entry = tmp_path / TraceCache._name(shape_key(direct.raw))
+    assert entry.is_file()
+    config._BUILT.clear()
+    kept = config.load_config(name, TraceCache(tmp_path))
+    assert kept == direct and kept.parameter_count() == direct.parameter_count()
+    assert kept.attention_bias == direct.attention_bias
+    entry.write_bytes(entry.read_bytes()[:-7])
+    assert config.load_config(name, TraceCache(tmp_path)) == direct
+    assert decode_entry(entry.read_bytes(), shape_key(direct.raw)) is not None  # rewritten whole
