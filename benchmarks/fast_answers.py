@@ -8,7 +8,8 @@ Each figure is a fresh process (`python -m lab_helpers.real_model ...`) with its
 folder (XDG_CACHE_HOME) for the cold run, kept for the warm one; beside it the median of
 `python -c "import torch, transformers"` in the same run (the floor of any answer). A seconds bound
 holds only on an idle machine, so the ratios are the figures to compare; the seconds are printed
-too, with the machine's load (os.getloadavg) before and after. --repository runs the commands of
+too, with the machine's load (os.getloadavg) before and after, and the CPU seconds of each process with
+their ratio to the import's CPU seconds (on a machine shared with other work, the steadier figure). --repository runs the commands of
 another checkout (an older version, for a before/after). --check-exact replays each case's fast
 trace (decode steps extended from four traced ones) and its full trace (every step traced) in this
 process and checks the predictions are byte-identical (long: the full trace runs every step on meta).
@@ -96,9 +97,11 @@ def main(argv=None) -> int:
         parser.error(f"unknown case {unknown[0]!r}; valid: {', '.join(CASES)}")
     repository = Path(args.repository)
     report = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}, "cases": {}}
-    imports = [timed(IMPORT_ONLY, {}, repository)[0] for _ in range(max(3, args.repeats))]
-    import_seconds = statistics.median(imports)
+    imports = [timed(IMPORT_ONLY, {}, repository) for _ in range(max(3, args.repeats))]
+    import_seconds = statistics.median(m[0] for m in imports)
+    import_cpu = statistics.median(m[1] for m in imports)
     report["import_torch_transformers_seconds"] = round(import_seconds, 3)
+    report["import_torch_transformers_cpu_seconds"] = round(import_cpu, 3)
     for name in names:
         command = ["-m", "lab_helpers.real_model", *CASES[name][0]]
         runs = {"cold": [], "warm": []}
@@ -109,8 +112,9 @@ def main(argv=None) -> int:
         entry = {}
         for kind, measured in runs.items():
             seconds = statistics.median(m[0] for m in measured)
+            cpu = statistics.median(m[1] for m in measured)
             entry[kind] = {"seconds": round(seconds, 3), "ratio_to_import": round(seconds / import_seconds, 2),
-                           "cpu_seconds": round(statistics.median(m[1] for m in measured), 3),
+                           "cpu_seconds": round(cpu, 3), "cpu_ratio_to_import": round(cpu / import_cpu, 2),
                            "largest_child_rss_kib_so_far": max(m[2] for m in measured)}
         if args.check_exact and CASES[name][1] is not None:
             entry["fast_equals_full_trace"] = exact(CASES[name][1])

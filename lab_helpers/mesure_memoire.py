@@ -59,7 +59,7 @@ DEFAULT_WORKSPACE_BYTES = (32 * 2**20, 2**20)
 DEFAULT_WORKSPACE_SOURCE = "measured default: torch 2.11.0+cu130 on NVIDIA H200 (compute capability 9.0)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     """A block of a segment, linked to its neighbours in address order."""
 

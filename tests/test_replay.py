@@ -12,8 +12,8 @@ from lab_helpers.allocator.settings import DEFAULT_SETTINGS, allocator_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import load_config, parse_config
 from lab_helpers.real.predict import fake_process_group, predict_model
-from lab_helpers.real.replay import (TRACED_DECODE_STEPS, RunTrace, decode_expandable, expand_decode,
-                                     decode_workspace_affine, replay_rank, traced_decode_steps)
+from lab_helpers.real.replay import (TRACED_DECODE_STEPS, ExtendedRun, LoadTrace, RunTrace, decode_expandable,
+                                     decode_workspace_affine, expand_decode, replay_rank, traced_decode_steps)
 from lab_helpers.real.spec import RunSpec, recorded_steps
 from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
 from lab_helpers.real.traces import TraceSession
@@ -57,7 +57,9 @@ REDUCED = {
     "qwen1.5-moe-a2.7b/2": reduced("qwen1.5-moe-a2.7b"),  # experts and a shared expert
     "mistral-7b-v0.1/2,window-64": reduced("mistral-7b-v0.1", sliding_window=64),
     "phi-3-mini-4k/2": reduced("phi-3-mini-4k"),  # window 2047
-    "gemma-2-2b/2": reduced("gemma-2-2b"),  # one sliding layer (4096), one full; torch.tensor scalars
+    "gemma-2-2b/2": reduced("gemma-2-2b"),
+    # the decode steps' key/value tensors outweigh the prefill's logits
+    "llama-small-vocabulary/2": reduced("llama-3.1-8b", vocab_size=1000),  # one sliding layer (4096), one full; torch.tensor scalars
     "gemma-3-4b-text/2,window-16": reduced("gemma-3-4b-text", layer_types=["sliding_attention", "full_attention"],
                                            sliding_window=16),
 }
@@ -149,6 +151,10 @@ DOCUMENT_CASES = [
     # cuDNN's decode workspace splits the keys in powers of two by length: from 509 keys here
     ("tiny", "bfloat16", 1, 500, 20, 1, False),  # a split count that changes mid-run: traced whole
     ("tiny", "bfloat16", 1, 600, 20, 1, True),  # the same split count in every step
+    # key/value tensors above 1 MiB: the small pool repeats and most decode steps replay in bulk
+    ("llama-3.1-8b/2", "bfloat16", 1, 700, 40, 1, True),
+    ("llama-small-vocabulary/2", "bfloat16", 16, 600, 60, 1, True),
+    ("llama-3.1-8b/2", "bfloat16", 1, 1200, 30, 2, True),
 ]
 EXPANDABLE = allocator_settings("expandable_segments:True")
 
@@ -196,6 +202,86 @@ def test_fast_predictions_equal_the_full_trace_under_every_allocator(name, dtype
     runs = [t for t in fast_cache.memory.values() if isinstance(t, RunTrace)]
     assert {t.decode_steps for t in runs} == {traced_decode_steps(shape) if extended else new_tokens}
     assert {t.decode_steps for t in full_cache.memory.values() if isinstance(t, RunTrace)} == {new_tokens}
+
+
+@pytest.mark.parametrize("name, batch, context, new_tokens, degree", [
+    ("llama-3.1-8b/2", 1, 700, 40, 1), ("llama-small-vocabulary/2", 16, 600, 60, 1), ("llama-3.1-8b/2", 1, 1200, 30, 2)])
+def test_long_runs_replay_most_decode_steps_in_bulk(name, batch, context, new_tokens, degree):
+    """The cases above whose documents equal the full trace's do take the bulk path (lab_helpers.real.decode_replay)."""
+    shape = shape_of(name)
+    with fake_process_group(0, degree) if degree > 1 else __import__("contextlib").nullcontext() as mesh:
+        session = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None))
+        run = session.run(batch, context, new_tokens, mesh)
+    assert isinstance(run, ExtendedRun)
+    stats = {}
+    bulk = replay_rank(session.load(), run, None, recorded_steps(new_tokens, 1), stats=stats)
+    assert bulk == replay_rank(session.load(), run.written_out(), None, recorded_steps(new_tokens, 1))
+    assert stats["bulk_steps"] >= new_tokens - 2 * TRACED_DECODE_STEPS
+
+
+def synthetic_run(new_tokens, layers=2, base=12 * MIB, growth=64 * 1024, small=(3000, 700), token=8):
+    """A load and a run with the structure of a decode: per layer two small activations, a key/value
+    tensor of `base` bytes growing by `growth` per step that replaces the step before's, a 1.5 MiB
+    transient; a token carried to the next step. Four steps traced, the rest extended."""
+    made = [1]
+
+    def request(events, size):
+        events.append(size)
+        made[0] += 1
+        return made[0] - 1
+
+    inputs, prefill = [], []
+    request(inputs, 512)
+    kv = [request(prefill, base) for _ in range(layers)]
+    prefill.append(~request(prefill, 30 * MIB))
+    phases, carried = [("inputs", None, [], inputs), ("prefill", None, [], prefill)], None
+    for step in range(TRACED_DECODE_STEPS):
+        events = []
+        for layer in range(layers):
+            a, b = request(events, small[0]), request(events, small[1])
+            new = request(events, base + (step + 1) * growth)
+            events.append(~kv[layer])
+            kv[layer] = new
+            events.append(~request(events, 1536 * 1024))
+            events += [~a, ~b]
+        made_token = request(events, token)
+        if carried is not None:
+            events.append(~carried)
+        carried = made_token
+        phases.append(("decode", step, [], events))
+    return LoadTrace([50 * MIB], [0], 1), expand_decode(RunTrace(phases, [], TRACED_DECODE_STEPS), new_tokens)
+
+
+def _outcome(load, run, budget, stats=None):
+    result = replay_rank(load, run, budget, list(range(0, run.decode_steps, 7)) + [run.decode_steps - 1],
+                         report=True, stats=stats)
+    if result["out_of_memory"] is not None:
+        failure = result["out_of_memory"]
+        result["out_of_memory"] = (str(failure), failure.report())
+    return result
+
+
+@pytest.mark.parametrize("changes", [{}, {"growth": 3 * 2**15, "layers": 3}, {"token": 600, "small": (512, 70000)}])
+def test_bulk_decode_steps_equal_every_step_replayed_under_every_budget(changes):
+    """The bulk replay of extended decode steps against the same steps replayed request by request,
+    under no budget and every budget from the run's peak reserved down past its peak allocated (1 MiB
+    apart): releases of cached segments in bulk steps (the small pool brought to the failing request,
+    then request by request), out-of-memory errors in the same request with the same figures."""
+    load, run = synthetic_run(150, **changes)
+    whole = run.written_out()
+    stats = {}
+    free = _outcome(load, whole, None)
+    assert _outcome(load, run, None, stats) == free
+    assert stats == {"bulk_steps": 150 - TRACED_DECODE_STEPS - 2, "resumed": 0} or stats["bulk_steps"] > 100
+    resumed = failed = 0
+    for budget in range(free["overall"]["peak_reserved_bytes"], free["overall"]["peak_allocated_bytes"] - 4 * MIB,
+                        -MIB):
+        stats = {}
+        expected = _outcome(load, whole, budget)
+        assert _outcome(load, run, budget, stats) == expected
+        resumed += stats["resumed"] > 0
+        failed += expected["out_of_memory"] is not None
+    assert resumed > 10 and failed > 10
 
 
 def test_a_per_phase_budget_replays_the_same_on_both_paths():
@@ -420,7 +506,8 @@ def test_no_cache_writes_nothing_and_the_cache_answers_the_same(tmp_path, capsys
         assert not (tmp_path / "iteragpu-lab").exists()
         assert main(argv) == 0
         assert capsys.readouterr().out == uncached
-        assert len(list((tmp_path / "iteragpu-lab" / "traces").glob("*.trace"))) == 2
+        # the config's shape, the load and the run
+        assert len(list((tmp_path / "iteragpu-lab" / "traces").glob("*.trace"))) == 3
         assert main(argv) == 0
         assert capsys.readouterr().out == uncached
     finally:
@@ -481,3 +568,33 @@ def test_tracing_leaves_the_config_as_given():
     from lab_helpers.real.protocol import transformers_config
     transformers_config(shape)
     assert shape.raw == before
+
+
+def test_the_causal_model_names_read_from_the_source_equal_the_imported_ones():
+    """lab_helpers.real.config reads transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES from its source file
+    (importing the module costs nearly the import of torch and transformers again)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lab_helpers.real.config import causal_lm_architectures
+    assert causal_lm_architectures() == dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@pytest.mark.parametrize("name", ["qwen1.5-0.5b", "gemma-3-4b-text", "mixtral-8x7b", "gpt2", "mistral-7b-v0.1"])
+def test_a_shape_kept_in_the_cache_equals_the_one_read_from_its_config(tmp_path, name):
+    """parse_config's shape through the cache folder: read once through transformers' config class, then
+    taken from the folder (no config class read), equal field for field, parameter count included; a
+    damaged entry is read again and rewritten."""
+    from lab_helpers.real import config
+    from lab_helpers.real.trace_cache import shape_key
+    direct = load_config(name)
+    first = config.load_config(name, TraceCache(tmp_path))
+    assert first == direct
+    entry = tmp_path / TraceCache._name(shape_key(direct.raw))
+    assert entry.is_file()
+    config._BUILT.clear()
+    kept = config.load_config(name, TraceCache(tmp_path))
+    assert kept == direct and kept.parameter_count() == direct.parameter_count()
+    assert kept.attention_bias == direct.attention_bias
+    entry.write_bytes(entry.read_bytes()[:-7])
+    assert config.load_config(name, TraceCache(tmp_path)) == direct
+    assert decode_entry(entry.read_bytes(), shape_key(direct.raw)) is not None  # rewritten whole

@@ -198,7 +198,7 @@ def handle_predict(args) -> int:
                            "train: a training prediction is for an unbounded device (fit --task train takes one)")
         return predict_train_model_command(args)
     refuse_model_train_flags(args)
-    shape = load_config(args.config)
+    shape = load_config(args.config, trace_cache_of(args))
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
     note = check_positions(shape, args)
@@ -257,7 +257,7 @@ def handle_fit(args) -> int:
     if args.card and settings.expandable_segments:
         raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
                        "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
-    shape = load_config(args.config)
+    shape = load_config(args.config, trace_cache_of(args))
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens)

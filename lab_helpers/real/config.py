@@ -5,6 +5,7 @@ numbers); its keys are then read through transformers' own config class (AutoCon
 the family, and the lab keeps only what its figures need. A config names its file or a bundled
 one under data/models/ (architecture facts only, never weights).
 """
+import functools
 import json
 import math
 import re
@@ -342,9 +343,35 @@ def _refuse_before_transformers(raw: dict) -> str:
     return model_type
 
 
-def parse_config(raw, name: str) -> ModelShape:
+@functools.lru_cache(maxsize=None)
+def causal_lm_architectures() -> dict:
+    """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (model type -> causal language model class), read
+    from the literal in its source file: importing its module imports transformers' generation and
+    distributed code (about 3.5 s of CPU on a 2-core machine, nearly the import of torch and transformers
+    again), which a prediction from a kept trace never needs. Where the literal cannot be read, the
+    module is imported (tests/test_replay.py checks that both give the same names)."""
+    import ast
+
+    import transformers
+    path = Path(transformers.__file__).parent / "models" / "auto" / "modeling_auto.py"
+    try:
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and getattr(node.targets[0], "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "OrderedDict"
+                    and len(node.value.args) == 1 and not node.value.keywords):
+                return dict(ast.literal_eval(node.value.args[0]))
+    except (OSError, SyntaxError, ValueError, TypeError, UnicodeDecodeError):
+        pass
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def parse_config(raw, name: str, shape_cache=None) -> ModelShape:
     """Check a config dict, read it through transformers' config class and return its shape;
-    raise ConfigError naming the key."""
+    raise ConfigError naming the key. With `shape_cache` (a lab_helpers.real.trace_cache.TraceCache) the
+    shape read before from the same config under the same torch, transformers and lab code is taken
+    from it (reading a config class imports most of transformers: about 3 s of CPU), and a new one kept."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: a config.json must hold a JSON object")
     for key, value in raw.items():
@@ -355,13 +382,34 @@ def parse_config(raw, name: str) -> ModelShape:
     import torch
     del torch  # only its presence matters here
     plain_tqdm_in_notebooks()
+    if shape_cache is None:
+        return _read_config(raw, name, model_type)
+    key = shape_cache.shape_key(raw)
+    kept = shape_cache.get(key)
+    if isinstance(kept, dict):
+        try:
+            fields = {**kept["fields"], "layer_windows": tuple(kept["fields"]["layer_windows"])}
+            shape = ModelShape(name=name, raw=dict(raw), **fields)
+            facts = {"parameter_count": int(kept["facts"]["parameter_count"]),
+                     "attention_bias": bool(kept["facts"]["attention_bias"])}
+        except (TypeError, KeyError, ValueError):
+            shape = None  # not a shape this code wrote: read again
+        if shape is not None:
+            _BUILT.setdefault(json.dumps(raw, sort_keys=True), facts)
+            return shape
+    shape = _read_config(raw, name, model_type)
+    fields = {f: getattr(shape, f) for f in ModelShape.__dataclass_fields__ if f not in ("name", "raw")}
+    shape_cache.put(key, {"fields": fields, "facts": built_model_facts(shape.raw)})
+    return shape
+
+
+def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
     from transformers.cache_utils import get_layer_types_and_kwargs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if model_type not in CONFIG_MAPPING_NAMES:
         raise ConfigError(f"config key 'model_type' names {printable(model_type)!r}, a model type transformers "
                           f"{_transformers_version()} does not know (and remote code is never run)")
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    architecture = causal_lm_architectures().get(model_type)
     if architecture is None:
         raise ConfigError(f"config key 'model_type': {model_type!r} has no causal language model in transformers "
                           f"{_transformers_version()} (AutoModelForCausalLM cannot build it)")
@@ -476,9 +524,9 @@ def _refuse_constant(name):
     raise ConfigError(f"holds {name}: not a finite number, and not JSON")
 
 
-def load_config(path_or_name: str) -> ModelShape:
+def load_config(path_or_name: str, shape_cache=None) -> ModelShape:
     """Read a config.json path, a Hugging Face model folder holding one, or a bundled config NAME,
-    and check it."""
+    and check it (parse_config: the shape kept in `shape_cache` when given)."""
     text = str(path_or_name)
     path = Path(text)
     if not text.endswith(".json") and not path.exists():
@@ -520,7 +568,7 @@ def load_config(path_or_name: str) -> ModelShape:
         raise ConfigError(f"config {shown} is not JSON: {first}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {shown} must hold a JSON object")
-    return parse_config(data, name)
+    return parse_config(data, name, shape_cache)
 
 
 def check_tensor_parallel(shape: ModelShape, degree) -> None:

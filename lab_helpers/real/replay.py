@@ -14,6 +14,9 @@ is traced.
 """
 from dataclasses import dataclass
 
+from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.real.decode_replay import DecodeReplayer
+
 # decode steps traced when the steps are extended from the traced ones: step 0 (which releases the
 # prefill's cache) and three steps whose events must be affine in the step number
 TRACED_DECODE_STEPS = 4
@@ -140,10 +143,40 @@ def decode_template(trace: RunTrace) -> "tuple | None":
     return (pre3, own3), (pre_step, own_step)
 
 
-def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | None":
+@dataclass
+class ExtendedRun:
+    """A run of `decode_steps` decode steps whose steps past the traced ones are not written out: each
+    is the last traced step plus `template`'s differences times its distance from it (expand_decode)."""
+
+    traced: RunTrace
+    template: tuple  # ((pre, own) of the last traced step, (pre_step, own_step)): decode_template's
+    decode_steps: int
+
+    @property
+    def persistent(self) -> list:
+        return self.traced.persistent
+
+    def step_events(self, step: int) -> tuple:
+        """(pre, own) of an extended decode step (step >= the traced steps)."""
+        (pre, own), (pre_step, own_step) = self.template
+        j = step - (self.traced.decode_steps - 1)
+        return [e + j * d for e, d in zip(pre, pre_step)], [e + j * d for e, d in zip(own, own_step)]
+
+    @property
+    def phases(self) -> list:
+        """Every phase written out, as a RunTrace holds them."""
+        return [*self.traced.phases,
+                *(("decode", step, *self.step_events(step)) for step in range(self.traced.decode_steps,
+                                                                              self.decode_steps))]
+
+    def written_out(self) -> RunTrace:
+        return RunTrace(self.phases, self.persistent, self.decode_steps)
+
+
+def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | ExtendedRun | None":
     """The trace extended to `new_tokens` decode steps (the traced ones, then each next step the last
-    traced one plus its differences), or None when the traced steps do not repeat so, or when a
-    request would shrink to nothing before the last step."""
+    traced one plus its differences; an ExtendedRun, not written out), or None when the traced steps
+    do not repeat so, or when a request would shrink to nothing before the last step."""
     if new_tokens <= trace.decode_steps:
         return RunTrace([p for p in trace.phases if p[0] != "decode" or p[1] < new_tokens],
                         trace.persistent, new_tokens)
@@ -155,13 +188,7 @@ def expand_decode(trace: RunTrace, new_tokens: int) -> "RunTrace | None":
     for events, steps in ((pre, pre_step), (own, own_step)):
         if any(e > 0 and e + ahead * d <= 0 for e, d in zip(events, steps)):
             return None
-    phases = list(trace.phases)
-    last = trace.decode_steps - 1
-    for step in range(trace.decode_steps, new_tokens):
-        j = step - last
-        phases.append(("decode", step, [e + j * d for e, d in zip(pre, pre_step)],
-                       [e + j * d for e, d in zip(own, own_step)]))
-    return RunTrace(phases, trace.persistent, new_tokens)
+    return ExtendedRun(trace, template, new_tokens)
 
 
 def _counters(alloc, base_allocated: int, base_reserved: int) -> dict:
@@ -219,7 +246,7 @@ def _releases_since(alloc, seen: int, name: str, index) -> list:
 
 
 def replay_rank(load: LoadTrace, run: "RunTrace | None", capacity_bytes, recorded_steps,
-                make_allocator=default_allocator, phase_budget=None, report: bool = False) -> dict:
+                make_allocator=default_allocator, phase_budget=None, report: bool = False, stats=None) -> dict:
     """The allocator model replayed over one rank's load and run: {"phases": records of the recorded
     phases, "overall": the peaks, "weights_bytes", "workspace_bytes", "releases": the releases of
     cached segments whose retry succeeded, "out_of_memory": None, "load_failed": False}. With run None,
@@ -252,32 +279,67 @@ def replay_rank(load: LoadTrace, run: "RunTrace | None", capacity_bytes, recorde
     totals = {"peak_allocated_bytes": alloc.peak_allocated, "peak_reserved_bytes": alloc.peak_reserved}
     result.update(phases=records, overall=totals, weights_bytes=weights_bytes, releases=releases)
     recorded = set(recorded_steps)
-    try:
-        for name, index, pre, own in (run.phases if run is not None else ()):
-            _apply(alloc, pre, blocks)  # releases only: no budget is reached
-            set_budget(alloc, phase_budget(name, index) if phase_budget else capacity_bytes)
-            base_allocated, base_reserved = alloc.allocated, alloc.reserved
-            seen = len(getattr(alloc, "releases", ()))
-            alloc.reset_peaks()
-            try:
+    extended = isinstance(run, ExtendedRun)
+    replayer = None
+    if extended and isinstance(alloc, AllocatorModel):
+        replayer = DecodeReplayer(alloc, blocks, run.template, run.traced.decode_steps - 1, run.decode_steps)
+        if replayer.usable:
+            replayer.track(load.events)
+        else:
+            replayer = None
+
+    def phase(name, index, pre, own, bulk=False):
+        first = len(blocks)
+        _apply(alloc, pre, blocks)  # releases only: no budget is reached
+        set_budget(alloc, phase_budget(name, index) if phase_budget else capacity_bytes)
+        base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        seen = len(getattr(alloc, "releases", ()))
+        alloc.reset_peaks()
+        try:
+            if replayer is not None:
+                replayer.track(pre)
+                start = replayer.bulk_step(index) if bulk else 0
+                if start is not None:
+                    if bulk:
+                        own = run.step_events(index)[1]
+                    elif replayer.pending():  # the steps before were replayed in bulk
+                        replayer.resume(index, 0, alloc.allocated)
+                        first = len(blocks)
+                    _apply(alloc, own[start:] if start else own, blocks)
+                    replayer.track(own[start:] if start else own)
+                    if name == "decode" and not bulk:
+                        replayer.step_done(index, first, own, len(getattr(alloc, "releases", ())))
+            else:
                 _apply(alloc, own, blocks)
-            except OutOfMemory as exc:
-                if exc.phase is None:
-                    exc.phase, exc.index = name, index
-                raise
-            finally:
-                releases.extend(_releases_since(alloc, seen, name, index))
-                if alloc.peak_allocated > totals["peak_allocated_bytes"]:
-                    totals["peak_allocated_bytes"] = alloc.peak_allocated
-                if alloc.peak_reserved > totals["peak_reserved_bytes"]:
-                    totals["peak_reserved_bytes"] = alloc.peak_reserved
-            if name != "decode" or index in recorded:
-                records.append({"phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
-                                **_counters(alloc, base_allocated, base_reserved)})
+        except OutOfMemory as exc:
+            if exc.phase is None:
+                exc.phase, exc.index = name, index
+            raise
+        finally:
+            releases.extend(_releases_since(alloc, seen, name, index))
+            if alloc.peak_allocated > totals["peak_allocated_bytes"]:
+                totals["peak_allocated_bytes"] = alloc.peak_allocated
+            if alloc.peak_reserved > totals["peak_reserved_bytes"]:
+                totals["peak_reserved_bytes"] = alloc.peak_reserved
+        if name != "decode" or index in recorded:
+            records.append({"phase": name, "index": index, "passes": 1 if name in ("prefill", "decode") else 0,
+                            **_counters(alloc, base_allocated, base_reserved)})
+
+    try:
+        for name, index, pre, own in ((run.traced.phases if extended else run.phases) if run is not None else ()):
+            phase(name, index, pre, own)
+        if extended:
+            for step in range(run.traced.decode_steps, run.decode_steps):
+                if replayer is not None and replayer.in_span(step):
+                    phase("decode", step, [], None, bulk=True)
+                else:
+                    phase("decode", step, *run.step_events(step))
     except OutOfMemory as exc:
         if not report:
             raise
         result["out_of_memory"] = exc
+    if stats is not None and replayer is not None:
+        stats.update(replayer.stats)
     if run is not None:
         result["workspace_bytes"] = sum(blocks[i].size for i in run.persistent if i < len(blocks))
     return result

@@ -65,7 +65,20 @@ def base_key(shape, dtype: str, tensor_parallel: int, rank: int) -> dict:
             "tensor_parallel": tensor_parallel, "rank": rank}
 
 
+def shape_key(raw: dict) -> dict:
+    """What a config's shape (lab_helpers.real.config.parse_config) depends on: the config, torch,
+    transformers and the lab's code."""
+    import torch
+    import transformers
+    config = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+    return {"format": TRACE_FORMAT, "kind": "shape", "torch": torch.__version__,
+            "transformers": transformers.__version__, "code": code_digest(),
+            "config_sha256": hashlib.sha256(config.encode()).hexdigest()}
+
+
 def _pack(trace) -> tuple:
+    if isinstance(trace, dict):  # a config's shape (shape_key): a JSON document, no events
+        return {"kind": "shape", "document": trace}, array("q")
     if isinstance(trace, LoadTrace):
         layout = {"kind": "load", "requests": trace.requests, "events": len(trace.events),
                   "weights": len(trace.weights)}
@@ -79,6 +92,10 @@ def _pack(trace) -> tuple:
 
 def _unpack(layout: dict, values: list):
     """The trace of a layout and its values; ValueError, KeyError or TypeError when they disagree."""
+    if layout["kind"] == "shape":
+        if values or not isinstance(layout["document"], dict):
+            raise ValueError("shape")
+        return layout["document"]
     if layout["kind"] == "load":
         n, w = layout["events"], layout["weights"]
         if not all(isinstance(x, int) and x >= 0 for x in (n, w, layout["requests"])) or n + w != len(values):
@@ -134,6 +151,8 @@ def decode_entry(data: bytes, key: dict):
 
 
 def _event_count(trace) -> int:
+    if isinstance(trace, dict):
+        return 1
     if isinstance(trace, LoadTrace):
         return len(trace.events) + len(trace.weights)
     return sum(len(pre) + len(own) for _, _, pre, own in trace.phases)
@@ -157,6 +176,11 @@ class TraceCache:
         self.folder = cache_folder() if folder == "default" else (None if folder is None else Path(folder))
         self.max_bytes = max_bytes
         self.memory = {}  # name -> trace, least recently used first
+
+    @staticmethod
+    def shape_key(raw: dict) -> dict:
+        """The key of a config's shape (the module's shape_key), for lab_helpers.real.config."""
+        return shape_key(raw)
 
     def _remember(self, name: str, trace) -> None:
         self.memory.pop(name, None)
