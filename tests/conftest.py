@@ -114,6 +114,17 @@ calc_script = _script_fixture("calcul_forfaits")
 calc_program = _program_fixture("calcul_forfaits")
 
 
+def gpu_child_environment(device: str, base: dict = None) -> tuple:
+    """(environment, device) for a GPU test's child processes, from `base` (default: this process's
+    environment): the test's GPU made the only one they see, as cuda:0, unless CUDA_VISIBLE_DEVICES
+    already chose the GPUs."""
+    base = dict(os.environ if base is None else base)
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return base, device
+    from lab_helpers.core.numbers import parse_device
+    return {**base, "CUDA_VISIBLE_DEVICES": str(parse_device(device))}, "cuda:0"
+
+
 def cuda_available() -> bool:
     try:
         import torch

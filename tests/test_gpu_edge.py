@@ -24,9 +24,9 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.allocator.budget import measured_budgets  # noqa: E402
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES  # noqa: E402
-from lab_helpers.core.numbers import parse_device  # noqa: E402
 from lab_helpers.real.config import load_config, parse_config  # noqa: E402
 from lab_helpers.real.fit import fit_model  # noqa: E402
 from lab_helpers.real.predict import budget_by_phase, compare_model, predict_model  # noqa: E402
@@ -35,11 +35,7 @@ from lab_helpers.synthetic.network import MeasureConfig  # noqa: E402
 from lab_helpers.synthetic.predict import compare, predict, replay_under_budget  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 NEW_TOKENS = 4
 LLAMA_4_LAYERS = dict(json.loads((ROOT / "data" / "models" / "llama-3.1-8b.json").read_text()), num_hidden_layers=4)
 # (config, context): on the H200 (usable 149380136960) batch 192 / 193 and 100 / 101

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers.core.numbers import parse_device  # noqa: E402
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.measurement.schema import read_measurement  # noqa: E402
 from lab_helpers.real.config import load_config  # noqa: E402
 from lab_helpers.real.fit import fit_model  # noqa: E402
@@ -40,11 +40,7 @@ from lab_helpers.synthetic.predict import compare  # noqa: E402
 CONF = "expandable_segments:True"
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = BASE_ENV, TEST_DEVICE
-else:
-    CHILD_ENV = {**BASE_ENV, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE, BASE_ENV)
 LLAMA_4_LAYERS = dict(json.loads((ROOT / "data" / "models" / "llama-3.1-8b.json").read_text()), num_hidden_layers=4)
 
 

@@ -27,16 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers.core.numbers import parse_device  # noqa: E402
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.real.spec import COUNTER_KEYS  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
 # the measuring processes see only the test's GPU
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 CHILD_ENV["PYTHONPATH"] = str(ROOT)
 NEW_TOKENS = 4
 AT_ONCE = 8

@@ -22,17 +22,14 @@ pytestmark = [pytest.mark.gpu,
 
 from lab_helpers.allocator.budget import measured_budgets  # noqa: E402
 from lab_helpers.allocator.settings import recorded_settings  # noqa: E402
-from lab_helpers.core.numbers import parse_device  # noqa: E402
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.real.config import load_config  # noqa: E402
 from lab_helpers.real.predict import budget_by_phase, compare_model, predict_model  # noqa: E402
 from lab_helpers.real.spec import RunSpec  # noqa: E402
 from lab_helpers.real.trace_cache import TraceCache  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV, CHILD_DEVICE = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}, "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 
 # (config, batch, context, new tokens, decode_record_every, allocator conf): a few seconds each on an
 # H200; a window never reached (gemma-2-2b's 4096), experts (qwen1.5-moe), expandable segments

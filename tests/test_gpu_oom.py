@@ -19,15 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.allocator.history import parse_oom_message, torch_format_size  # noqa: E402
 from lab_helpers.core.numbers import parse_device  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 CHILD_ENV = {k: v for k, v in CHILD_ENV.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
 
 

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers.core.numbers import parse_device  # noqa: E402
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.real.config import load_config  # noqa: E402
 from lab_helpers.real.fit import fit_model  # noqa: E402
 from lab_helpers.real.predict import compare_model  # noqa: E402
@@ -35,11 +35,7 @@ from lab_helpers.real.spec import COUNTER_KEYS  # noqa: E402
 COUNTERS = COUNTER_KEYS
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
 # The measuring processes see only the test's GPU: another group may be filling the other one.
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 # (config, batch, context): four points per family, one of them at a context >= 32768
 ACCEPTANCE = [
     ("llama-3.1-8b", 1, 512), ("llama-3.1-8b", 4, 2048), ("llama-3.1-8b", 8, 1000), ("llama-3.1-8b", 1, 32768),

@@ -35,16 +35,12 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from lab_helpers.core.numbers import parse_device  # noqa: E402
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.real.train import compare_training_model  # noqa: E402
 from lab_helpers.synthetic.training import compare_training  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 COUNTERS = ("baseline_allocated_bytes", "baseline_reserved_bytes", "end_allocated_bytes", "end_reserved_bytes",
             "peak_allocated_bytes", "peak_reserved_bytes")
 

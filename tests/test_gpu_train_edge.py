@@ -27,18 +27,14 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+from conftest import gpu_child_environment  # noqa: E402
 from lab_helpers.allocator.budget import OutOfMemory  # noqa: E402
-from lab_helpers.core.numbers import parse_device  # noqa: E402
 from lab_helpers.real.config import parse_config  # noqa: E402
 from lab_helpers.real.spec import COUNTER_KEYS  # noqa: E402
 from lab_helpers.real.train import TrainSpec, compare_training_model, predict_training_model  # noqa: E402
 
 TEST_DEVICE = os.environ.get("ITERAGPU_TEST_DEVICE", "cuda:0")
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    CHILD_ENV, CHILD_DEVICE = dict(os.environ), TEST_DEVICE
-else:
-    CHILD_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": str(parse_device(TEST_DEVICE))}
-    CHILD_DEVICE = "cuda:0"
+CHILD_ENV, CHILD_DEVICE = gpu_child_environment(TEST_DEVICE)
 BUDGET_TARGET_BYTES = 6 * 2**30  # left free beside the ballast; the fresh process's context takes its share
 CONTEXT = 256
 STEPS = 2  # fit --task train's criterion: two optimizer steps, the second the steady state
