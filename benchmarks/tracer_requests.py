@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import lab_helpers.real.predict as predict  # noqa: E402
+import lab_helpers.real.replay as replay  # noqa: E402
 import lab_helpers.real.tracer as tracer  # noqa: E402
 from lab_helpers.real.config import parse_config  # noqa: E402
 from lab_helpers.real.spec import RunSpec  # noqa: E402
@@ -52,11 +53,12 @@ class RecordingAllocator(tracer.AddressedAllocator):
     """AddressedAllocator that logs every request: ("alloc", bytes) and ("free", bytes asked)."""
 
     log = []  # shared by the deep copies predict_model makes
+    requested = {}  # id of a live block -> the bytes asked for it (blocks have __slots__), shared likewise
     frames = None  # with a list: the model code's innermost frames of each allocation
 
     def malloc(self, request_bytes: int):
         block = super().malloc(request_bytes)
-        block.requested_bytes = request_bytes
+        self.requested[id(block)] = request_bytes
         self.log.append(("alloc", request_bytes))
         if self.frames is not None:
             stack = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_stack()
@@ -65,7 +67,7 @@ class RecordingAllocator(tracer.AddressedAllocator):
         return block
 
     def free(self, block) -> None:
-        self.log.append(("free", block.requested_bytes))
+        self.log.append(("free", self.requested.pop(id(block))))
         super().free(block)
 
 
@@ -121,15 +123,16 @@ def traced_events(probe: dict) -> list:
     name, changes = PROBE_FAMILIES[probe["family"]]
     raw = json.loads((ROOT / "data" / "models" / f"{name}.json").read_text())
     shape = parse_config({**raw, **changes}, probe["family"])
-    RecordingAllocator.log = []
-    original = predict.replay_allocator_for, tracer.AllocationTracer
-    predict.replay_allocator_for = lambda settings, capacity_bytes=None: RecordingAllocator()
+    RecordingAllocator.log, RecordingAllocator.requested = [], {}
+    # the replay's allocator is made in lab_helpers.real.replay; no trace cache, so that the run is traced
+    original = replay.replay_allocator_for, tracer.AllocationTracer
+    replay.replay_allocator_for = lambda settings, capacity_bytes=None: RecordingAllocator()
     tracer.AllocationTracer = MarkingTracer
     try:
         predict.predict_model(shape, RunSpec(shape.name, batch=probe["batch"], context=probe["context"],
-                                             new_tokens=4))
+                                             new_tokens=4), trace_cache=None)
     finally:
-        predict.replay_allocator_for, tracer.AllocationTracer = original
+        replay.replay_allocator_for, tracer.AllocationTracer = original
     return RecordingAllocator.log
 
 

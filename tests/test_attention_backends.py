@@ -25,15 +25,16 @@ class LoggingAllocator(AddressedAllocator):
     def __init__(self):
         super().__init__()
         self.log = []
+        self.requested = {}  # id of a live block -> the bytes its request asked for
 
     def malloc(self, request_bytes):
         block = super().malloc(request_bytes)
-        block.requested_bytes = request_bytes
+        self.requested[id(block)] = request_bytes  # blocks have __slots__: the size asked is kept here
         self.log.append(("alloc", request_bytes))
         return block
 
     def free(self, block):
-        self.log.append(("free", block.requested_bytes))
+        self.log.append(("free", self.requested.pop(id(block))))
         super().free(block)
 
 
