@@ -23,12 +23,9 @@ segments too: there the replay stops being bulk. The small pool is brought to th
 the rest of the run is replayed request by request, as it would have been all along
 (tests/test_replay.py compares the documents byte for byte). Standard library only.
 """
-from lab_helpers.allocator.model import MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
+from lab_helpers.allocator.model import MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES, AllocatorModel
 
-
-def rounded_bytes(request_bytes: int) -> int:
-    """What the allocator hands out for a request (AllocatorModel.round_size)."""
-    return MIN_BLOCK_BYTES if request_bytes <= MIN_BLOCK_BYTES else -(-request_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+rounded_bytes = AllocatorModel.round_size  # what the allocator hands out for a request
 
 
 # the small pool may come back to a state every step or every few steps (a token's tensor that takes

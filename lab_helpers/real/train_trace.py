@@ -13,7 +13,6 @@ from lab_helpers.core.errors import LabError
 from lab_helpers.real.tracer import AllocationTracer
 
 
-
 class TrainingTracer(AllocationTracer):
     """AllocationTracer that knows which thread a CUDA run would be on: set `backward` to True
     while the backward pass runs (thread_workspaces then starts from nothing, once)."""
