@@ -160,18 +160,27 @@ def _run(script, *argv):
     return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=300)
 
 
-def test_compare_on_the_command_line(mm_script, predictions, tmp_path):
+def _run_main(mm_program, tmp_path, *argv):
+    # main(argv) in this process (torch already imported, the traces shared); the fresh-process path of
+    # the same two programs, and its exit code, is test_bad_input_is_one_line_and_exit_2's
+    from conftest import run_main_in_process
+    proc = run_main_in_process(mm_program.main, argv, tmp_path)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_compare_on_the_command_line(mm_program, predictions, tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps(measurement_from(predictions[2], shift=512)))
-    proc = _run(mm_script, "compare", str(path), "--fail-on-difference")
+    proc = _run_main(mm_program, tmp_path, "compare", str(path), "--fail-on-difference")
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["allocated_exact"] is False
-    proc = _run(mm_script, "compare", str(path), "--format", "table")
+    proc = _run_main(mm_program, tmp_path, "compare", str(path), "--format", "table")
     assert proc.returncode == 0 and "+512" in proc.stdout
 
 
-def test_predict_on_the_command_line(mm_script):
-    proc = _run(mm_script, "predict", "--task", "train", "--steps", "2", "--optimizer", "sgd")
+def test_predict_on_the_command_line(mm_program, tmp_path):
+    proc = _run_main(mm_program, tmp_path, "predict", "--task", "train", "--steps", "2", "--optimizer", "sgd")
     assert proc.returncode == 0, proc.stderr
     document = json.loads(proc.stdout)
     assert document["configuration"]["task"] == "train" and len(document["phases"]) == 10
