@@ -343,9 +343,14 @@ BOUNDED = [
 
 @pytest.mark.parametrize("case", BOUNDED, ids=[case[0] for case in BOUNDED])
 def test_bounded_input_is_drawn_with_a_note(case, tmp_path):
-    _, change, note = case
+    name, change, note = case
     (tmp_path / TL).write_bytes(changed(change))
-    done = run_program("timeline", PLOT, tmp_path)
+    # a fresh `python -m` for the first row and for the inputs that once hung the plot (a name of a
+    # million characters, thousands of phases or labels, times near 2**62), its timeout a hang guard;
+    # the mathtext and control-character rows, which crashed rather than hung, run in this process
+    fresh = case is BOUNDED[0] or note is not None or name == "times-near-2**62"
+    done = run_program("timeline", PLOT, tmp_path, in_process=not fresh)
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if note is None:
@@ -397,6 +402,9 @@ def test_mathtext_is_drawn_as_typed():
 def test_runs_plot_draws_a_file_named_in_mathtext(tmp_path):
     name = r"$\frac{$.json"
     (tmp_path / name).write_text(json.dumps(measurement("mesures-h100")))
-    done = run_program("runs", [name, "--plot", "o.png"], tmp_path)
+    # in-process: mathtext in a file name crashed the plot, it did not hang it; the table's fresh
+    # rows cover the fresh process
+    done = run_program("runs", [name, "--plot", "o.png"], tmp_path, in_process=True)
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
