@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, cuda_available, full_measurement
+from conftest import ROOT, cuda_available, full_measurement, run_main_in_process
 
 GIB = 2**30
 MIB = 2**20
@@ -141,8 +141,11 @@ def test_each_command_help_has_a_description_and_an_example(mm_script, command):
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU refusal")
-def test_measure_without_cuda_exits_2_and_writes_nothing(mm_script, tmp_path):
-    line = assert_one_line_error(run(mm_script, *SMALL_MEASURE, "--output", "m.json", cwd=tmp_path))
+def test_measure_without_cuda_exits_2_and_writes_nothing(mm_program, tmp_path):
+    # main(argv) in this process (torch's CUDA check is the same there); the fresh script's exit 2 is
+    # test_measure_refuses_existing_output_untouched's
+    line = assert_one_line_error(run_main_in_process(mm_program.main, [*SMALL_MEASURE, "--output", "m.json"],
+                                                     tmp_path))
     assert "no CUDA" in line and "CPU" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -465,9 +468,9 @@ def test_usable_memory_bookkeeping_with_a_fake_child(mm, script, expected):
     assert time.monotonic() - started < 300
 
 
-def test_environment_without_gpu_says_usable_memory_is_unavailable(mm_script):
-    proc = run(mm_script, "environment")
-    assert proc.returncode == 0, proc.stderr
+def test_environment_without_gpu_says_usable_memory_is_unavailable(mm_program, tmp_path):
+    proc = run_main_in_process(mm_program.main, ["environment"], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     got = json.loads(proc.stdout)
     if got["device_visible"]:
         pytest.skip("a GPU is visible: the gpu tests check the figure")
