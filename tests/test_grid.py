@@ -102,14 +102,14 @@ def test_row_and_model_costs_to_the_cent(tmp_path):
 
 def test_check_then_report_from_the_command_line(tmp_path):
     path = write_grid(tmp_path, [HEADER, *PASSES])
-    checked = subprocess.run([sys.executable, "-m", "lab_helpers.grid", "check", str(path)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert checked.returncode == 0, checked.stderr
+    # main(argv) in this process; `python -m lab_helpers.grid` check and report as fresh processes are
+    # test_commands' closed-pipe rows
+    from conftest import run_main_in_process
+    checked = run_main_in_process(main, ["check", str(path)], ROOT)
+    assert checked.returncode == 0 and "Traceback" not in checked.stderr, checked.stderr
     assert "4 rows" in checked.stdout
-    reported = subprocess.run([sys.executable, "-m", "lab_helpers.grid", "report", str(path),
-                               "--tariffs", str(CARD)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert reported.returncode == 0, reported.stderr
+    reported = run_main_in_process(main, ["report", str(path), "--tariffs", str(CARD)], ROOT)
+    assert reported.returncode == 0 and "Traceback" not in reported.stderr, reported.stderr
     out = reported.stdout
     for needle in (str(2 * lot_price("b200", 7)), str(half_up(2 * lot_price("b200", 7), 1000)),
                    "2471", "24.71", "n/a", "ROUND_HALF_UP", "illustrative, not a quote"):
