@@ -486,10 +486,15 @@ def bad_tp_files(mm):
 
 
 def test_compare_refuses_bad_tensor_parallel_files_in_one_line(mm, tmp_path):
-    for name, document, message in bad_tp_files(mm):
+    from conftest import run_main_in_process
+    from lab_helpers.mesure_memoire import main as mm_main
+    for index, (name, document, message) in enumerate(bad_tp_files(mm)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(document))
-        line = one_line(run_mm("compare", str(path)))
+        # the first file as a fresh `python -m`, the rest through the same main(argv) in this process
+        proc = run_mm("compare", str(path)) if index == 0 else run_main_in_process(mm_main, ["compare", str(path)],
+                                                                                    ROOT)
+        line = one_line(proc)
         assert message in line, (name, line)
 
 
