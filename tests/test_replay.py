@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lab_helpers.allocator.model import SMALL_REQUEST_MAX_BYTES
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, allocator_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import load_config, parse_config
@@ -598,3 +599,22 @@ def test_a_shape_kept_in_the_cache_equals_the_one_read_from_its_config(tmp_path,
     entry.write_bytes(entry.read_bytes()[:-7])
     assert config.load_config(name, TraceCache(tmp_path)) == direct
     assert decode_entry(entry.read_bytes(), shape_key(direct.raw)) is not None  # rewritten whole
+
+
+@pytest.mark.parametrize("changes", [{"base": 8192, "growth": 2048}, {"base": 4096, "growth": 512, "layers": 3},
+                                     {"base": 1000 * 1024, "growth": 2048}])
+def test_key_value_tensors_growing_in_the_small_pool_replay_as_every_step_written_out(changes):
+    """Key/value tensors under 1 MiB grow in the small pool, which then never repeats: where one is still
+    small in the last step no step is replayed in bulk and the replayer keeps no books (its stats stay
+    empty); where it crosses into the large pool mid-run (the last case) the bulk replay starts after.
+    Both equal every step replayed request by request, under no budget and budgets down past the peak."""
+    load, run = synthetic_run(60, **changes)
+    whole = run.written_out()
+    stats = {}
+    free = _outcome(load, whole, None)
+    assert _outcome(load, run, None, stats) == free
+    crosses = changes["base"] + 60 * changes["growth"] > SMALL_REQUEST_MAX_BYTES
+    assert (stats.get("bulk_steps", 0) > 0) is crosses and (stats == {}) is not crosses
+    for budget in range(free["overall"]["peak_reserved_bytes"], free["overall"]["peak_allocated_bytes"] - 4 * MIB,
+                        -MIB):
+        assert _outcome(load, run, budget) == _outcome(load, whole, budget)

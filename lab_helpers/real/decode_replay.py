@@ -56,6 +56,12 @@ class DecodeReplayer:
         self.mallocs = [p for p, e in enumerate(own) if e > 0]  # the positions of a step's requests
         self.shift = len(self.mallocs)  # request ids advance this much per step
         self.usable = self.usable and all(d == -self.shift for e, d in zip(own, own_step) if e < 0)
+        # _plan plans no bulk step while a small request's rounded size changes from one step to the
+        # next: one growing by 512 bytes a step or more that is still small in the last step does so
+        # in every step, so no step is ever replayed in bulk, and the bookkeeping would be for nothing
+        self.usable = self.usable and not any(
+            e > 0 and d >= MIN_BLOCK_BYTES and rounded_bytes(e + (decode_steps - 1 - last) * d) <= SMALL_REQUEST_MAX_BYTES
+            for e, d in zip(own, own_step))
         self.sizes = []  # rounded bytes of each request, by id
         self.live = set()  # ids of the requests not yet released
         self.first1 = None  # the id of decode step 1's first request
