@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
@@ -35,6 +36,7 @@ from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable
 from lab_helpers.real.predict import compare_model, predict_model
 from lab_helpers.real.parallel import measure_model_parallel
 from lab_helpers.real.protocol import measure_model
+from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
 from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
 from lab_helpers.real.train_commands import (add_model_train_flags, compare_train_model_command,
@@ -75,6 +77,24 @@ def add_run_flags(parser, sizes_required=True) -> None:
                         help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
                              "per rank (default 1: one GPU)")
     parser.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
+    parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default=None,
+                        help="load the weights as bitsandbytes quantizes them to 4 bits while loading (QLoRA's "
+                             "base; -double also quantizes the absmax): from_pretrained with a BitsAndBytesConfig "
+                             "computing in --dtype; inference only, one GPU")
+
+
+def quantized(shape, args):
+    """`shape` with --quantize's weights (checked against --dtype and --tensor-parallel)."""
+    if args.quantize is None:
+        return shape
+    if args.task == "train":
+        raise LabError("--quantize with --task train (QLoRA) is not predicted: the 4-bit base is modelled "
+                       "for inference only")
+    if getattr(args, "card", False):
+        raise LabError("--quantize with fit --card is not modelled (the card's search splits models across GPUs); "
+                       "ask one GPU model with --gpu")
+    check_quantization(args.quantize, args.dtype, args.tensor_parallel)
+    return replace(shape, quantization=args.quantize)
 
 
 def _format_flag(parser) -> None:
@@ -192,13 +212,14 @@ def check_positions(shape, args) -> "str | None":
 
 def handle_predict(args) -> int:
     if args.task == "train":
+        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         if args.memory_bytes is not None or args.gpu is not None or args.device is not None:
             raise LabError("--memory-bytes, --gpu and --device (a budget) are not modelled with predict --task "
                            "train: a training prediction is for an unbounded device (fit --task train takes one)")
         return predict_train_model_command(args)
     refuse_model_train_flags(args)
-    shape = load_config(args.config, trace_cache_of(args))
+    shape = quantized(load_config(args.config, trace_cache_of(args)), args)
     spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                    decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
     note = check_positions(shape, args)
@@ -249,6 +270,7 @@ def handle_compare(args) -> int:
 
 def handle_fit(args) -> int:
     if args.task == "train":
+        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         return fit_train_command(args)
     refuse_model_train_flags(args)
@@ -257,7 +279,7 @@ def handle_fit(args) -> int:
     if args.card and settings.expandable_segments:
         raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
                        "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
-    shape = load_config(args.config, trace_cache_of(args))
+    shape = quantized(load_config(args.config, trace_cache_of(args)), args)
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens)
@@ -292,7 +314,7 @@ def measure_command_result(args) -> "dict | None":
     """Measure as the flags say and write the file; the result to print, or None on a tensor-parallel
     rank other than 0 (rank 0 reports for every rank)."""
     settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
-    shape = load_config(args.config)
+    shape = quantized(load_config(args.config), args)
     degree = args.tensor_parallel
     check_tensor_parallel(shape, degree)
     if degree > 1:
@@ -328,6 +350,7 @@ def measure_command_result(args) -> "dict | None":
 
 def handle_measure(args) -> int:
     if args.task == "train":
+        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         return measure_train_model_command(args)
     refuse_model_train_flags(args)

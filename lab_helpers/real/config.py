@@ -81,6 +81,9 @@ class ModelShape:
     experts: int = 0  # routed experts of a mixture of experts (0: a dense model)
     experts_per_token: int = 0
     tensor_parallel_plan: bool = True  # whether the config class has transformers' base_model_tp_plan
+    # bitsandbytes' 4-bit weights, as from_pretrained quantizes them while loading (a --quantize value,
+    # lab_helpers.real.quantized); "" for the config's own dtype
+    quantization: str = ""
 
     def __post_init__(self):
         if not self.key_dim:
@@ -152,6 +155,7 @@ class ModelShape:
             "sliding_layers": sum(w is not None for w in self.layer_windows),
             "experts": self.experts, "experts_per_token": self.experts_per_token,
             "parameter_count": self.parameter_count(),
+            **({"quantization": self.quantization} if self.quantization else {}),
         }
 
 

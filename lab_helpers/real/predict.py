@@ -15,6 +15,7 @@ from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.measurement.schema import SCHEMA_VERSION
+from lab_helpers.real.quantized import check_quantization
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
 from lab_helpers.real.replay import allocator_factory
 from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps, run_configuration
@@ -260,6 +261,10 @@ def compare_model(measurement: dict) -> dict:
             raise KeyError("kind")
         spec = RunSpec(**configuration)
         shape = parse_config(measurement["model"]["config"], spec.config_name)
+        kind = measurement["model"].get("quantization")
+        if kind is not None:  # bitsandbytes' 4-bit weights, as measured (lab_helpers.real.quantized)
+            check_quantization(kind, spec.dtype, spec.tensor_parallel)
+            shape = replace(shape, quantization=kind)
         if spec.tensor_parallel == 1:
             measured_ranks = [(None, measurement["phases"])]
         else:

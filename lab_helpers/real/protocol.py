@@ -14,6 +14,7 @@ from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ConfigError, ModelShape, key_named, one_line_reason, transformers_config_of
+from lab_helpers.real.quantized import load_on_gpu, load_on_meta, quantized_skeleton, random_checkpoint
 from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, run_configuration
 
 def transformers_config(shape: ModelShape):
@@ -147,9 +148,20 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
         raise LabError("tensor parallel > 1 needs a device mesh")
     skeleton = (_tensor_parallel_skeleton(hf_config, dtype, mesh)
                 if model is None and spec.tensor_parallel > 1 else None)
+    quantized = model is None and bool(shape.quantization)
+    checkpoint = contextlib.nullcontext()
+    if quantized and device.type == "meta":
+        skeleton, quantizer = quantized_skeleton(hf_config, spec.dtype, shape.quantization)
+    elif quantized:
+        # the checkpoint from_pretrained quantizes, saved from the CPU before the GPU is touched
+        checkpoint = random_checkpoint(hf_config, spec.dtype, spec.seed)
 
     def load_model():
         torch.manual_seed(spec.seed)
+        if quantized:
+            state["model"] = (load_on_meta(skeleton, quantizer) if device.type == "meta" else
+                              load_on_gpu(state["checkpoint"], shape.quantization, spec.dtype, device)).eval()
+            return state["model"]
         if skeleton is not None:
             _materialise_local_shards(skeleton, device, hf_config.initializer_range, spec.seed,
                                       mesh.get_local_rank())
@@ -182,7 +194,9 @@ def run_protocol(shape: ModelShape, spec: RunSpec, device, phase, model=None, me
         state["next"] = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
     if model is None:
-        phase("model_load", load_model, None, True)
+        with checkpoint as folder:
+            state["checkpoint"] = folder
+            phase("model_load", load_model, None, True)
         if stop_after == "model_load":
             return
     else:

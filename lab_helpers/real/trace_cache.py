@@ -62,7 +62,7 @@ def base_key(shape, dtype: str, tensor_parallel: int, rank: int) -> dict:
     return {"format": TRACE_FORMAT, "torch": torch.__version__, "transformers": transformers.__version__,
             "code": code_digest(), "behaviour": asdict(DEFAULT_BEHAVIOUR),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "dtype": dtype,
-            "tensor_parallel": tensor_parallel, "rank": rank}
+            "tensor_parallel": tensor_parallel, "rank": rank, "quantization": shape.quantization}
 
 
 def shape_key(raw: dict) -> dict:

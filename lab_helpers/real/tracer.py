@@ -55,6 +55,7 @@ class CudaBehaviour:
     # the device, for the reduction kernels' launch configuration
     multiprocessors: int = 132
     threads_per_multiprocessor: int = 2048
+    compute_capability: tuple = (9, 0)
 
 
 DEFAULT_BEHAVIOUR = CudaBehaviour()
@@ -65,14 +66,16 @@ def _last_pow2(n: int) -> int:
 
 
 def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: int,
-                         behaviour: CudaBehaviour) -> tuple:
+                         behaviour: CudaBehaviour, accumulator_bytes: int = 16) -> tuple:
     """(staging bytes, semaphore bytes) of argmax over the last, contiguous dimension.
 
     PyTorch's setReduceConfig (aten/src/ATen/native/cuda/Reduce.cuh) for a reduction along
     the fastest dimension: 512 threads at most, input vectorised by 4, and a split of each
     output across blocks ("global reduce") when a thread would still see >= 256 values.
-    The accumulator of argmax is a (float, int64) pair: 16 bytes."""
-    accumulator_bytes = 16
+    The accumulator of argmax is a (float, int64) pair: 16 bytes; a mean's is one float (4 bytes):
+    a whole-tensor mean is one output over every input (measured on the H200: 448 bytes of staging
+    and a 4-byte semaphore for the mean of 917504 float32 values, 128 bytes for 262144, none for
+    65536)."""
     max_threads, warp, vector = 512, 32, 4
     dim0 = inputs_per_output
     if dim0 > 128:
@@ -353,6 +356,9 @@ class AllocationTracer(TorchDispatchMode):
             return self._attention(*args, **kwargs)
         if func.namespace == "_c10d_functional" and func.__name__.startswith("_wrap_tensor_autograd"):
             return args[0]
+        if func.namespace == "bitsandbytes":
+            from lab_helpers.real.bnb_kernels import run_kernel
+            return run_kernel(self, func, args, kwargs)
         result = self._run(func, args, kwargs)
         self._track(result, tree_leaves((args, kwargs)))
         self._after_kernel(func, args)
@@ -395,6 +401,8 @@ class AllocationTracer(TorchDispatchMode):
             self._blas(lt=False)
         elif func is aten.argmax.default:
             self._argmax_staging(*args)
+        elif func is aten.mean.default:
+            self._mean_staging(*args)
         elif func is aten.layer_norm.default:
             self._layer_norm_statistics(*args)
         elif func is aten.pow.Scalar:
@@ -429,8 +437,18 @@ class AllocationTracer(TorchDispatchMode):
         across thread blocks, staging partial results and semaphores in device memory."""
         if dim is None or values.dim() == 0 or dim % values.dim() != values.dim() - 1 or not values.is_contiguous():
             return
-        staging, semaphores = argmax_staging_bytes(values.numel() // values.shape[-1], values.shape[-1],
-                                                   values.element_size(), self.behaviour)
+        self._staged(*argmax_staging_bytes(values.numel() // values.shape[-1], values.shape[-1],
+                                           values.element_size(), self.behaviour))
+
+    def _mean_staging(self, values, *rest) -> None:
+        """The mean of a whole contiguous tensor (bitsandbytes' absmax offset): one output, split
+        across thread blocks as argmax's rows are, with a float accumulator."""
+        if values.dim() == 0 or not values.is_contiguous():
+            return
+        self._staged(*argmax_staging_bytes(1, values.numel(), values.element_size(), self.behaviour, 4))
+
+    def _staged(self, staging: int, semaphores: int) -> None:
+        """A split reduction's partial results and semaphores, freed before the kernel returns."""
         if staging:
             self.collect()
             buffer = self.allocator.malloc(staging)

@@ -1,0 +1,115 @@
+"""What bitsandbytes' CUDA kernels allocate, for the meta-device tracer.
+
+bitsandbytes (pinned 0.50.2) defines its operators with torch.library; on meta their fake
+kernels make the outputs alone, while the CUDA kernels (bitsandbytes/backends/cuda/ops.py) are
+Python functions that allocate through the caching allocator before calling the library's C
+code. `run_kernel` makes, in the tracer's mode, the tensors each CUDA kernel makes, in its
+order, so that the trace sees what the GPU's allocator sees. The 4-bit product chooses between
+a fused kernel and dequantize-then-linear by bitsandbytes' own per-device rule,
+`_gemm_4bit_use_custom_cuda`: its CUDA module cannot be imported without CUDA, so the rule is
+compiled from the installed bitsandbytes' source and asked about the predicted device."""
+import ast
+import functools
+
+import torch
+
+from lab_helpers.core.errors import LabError
+
+# bitsandbytes/backends/cuda/ops.py: the product of more rows than this dequantizes the weight
+# first; its per-device rule decides below it
+CUSTOM_MAX_ROWS = 1536
+RULE_NAMES = ("_gemm_4bit_use_custom_cuda",)
+RULE_CONSTANTS = ("_GEMM_4BIT_CUSTOM_FLOOR_M",)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_rule(multiprocessors: int, major: int, minor: int):
+    """bitsandbytes' gemm_4bit kernel choice (device index, dtype, M, N, K) -> fused, for a device of
+    `multiprocessors` SMs and compute capability major.minor."""
+    import bitsandbytes
+    from pathlib import Path
+    path = Path(bitsandbytes.__file__).parent / "backends" / "cuda" / "ops.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kept = [node for node in tree.body
+            if (isinstance(node, ast.FunctionDef) and node.name in RULE_NAMES)
+            or (isinstance(node, ast.Assign) and any(getattr(t, "id", None) in RULE_CONSTANTS for t in node.targets))]
+    if len(kept) != len(RULE_NAMES) + len(RULE_CONSTANTS):
+        raise LabError(f"bitsandbytes {bitsandbytes.__version__}: its 4-bit product rule is not where 0.50.2 "
+                       f"keeps it; this bitsandbytes is not the one the lab models")
+    namespace = {"torch": torch, "functools": functools, "_gpu_dispatch_props": lambda index: (multiprocessors, major, minor)}
+    exec(compile(ast.Module(body=kept, type_ignores=[]), str(path), "exec"), namespace)  # its own code, unchanged
+    return namespace["_gemm_4bit_use_custom_cuda"]
+
+
+def _empty(shape, dtype):
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _quantize_4bit(tracer, A, blocksize, quant_type, quant_storage):
+    n = A.numel()
+    absmax = _empty((-(n // -blocksize),), torch.float32)
+    out = _empty(((n + 1) // (quant_storage.itemsize * 2), 1), quant_storage)
+    return out, absmax
+
+
+def _quantize_blockwise(tracer, A, code, blocksize):
+    n = A.numel()
+    absmax = _empty((-(n // -blocksize),), torch.float32)
+    out = torch.empty_like(A, dtype=torch.uint8)
+    return out, absmax
+
+
+def _dequantize_blockwise(tracer, A, absmax, code, blocksize, dtype):
+    return torch.empty_like(A, dtype=dtype)
+
+
+def _dequantize_4bit(tracer, A, absmax, blocksize, quant_type, shape, dtype):
+    return _empty(shape, dtype)
+
+
+def _gemm_4bit(tracer, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None,
+               absmax_code=None, absmax_offset=None):
+    K = A.shape[-1]
+    M = A.numel() // K
+    N = shapeB[0]
+    behaviour = tracer.behaviour
+    if M > CUSTOM_MAX_ROWS or K % blocksize != 0:
+        fused = False
+    else:
+        fused = _device_rule(behaviour.multiprocessors, *behaviour.compute_capability)(0, A.dtype, M, N, K)
+    if fused:
+        A = A.contiguous()
+        out = _empty((*A.shape[:-1], N), A.dtype)
+        if absmax_offset is not None:
+            absmax_offset = absmax_offset.to(dtype=torch.float32)
+        return out
+    # _dequant_linear_fallback: the nested absmax rebuilt, the weight dequantized whole, then linear
+    held = []  # alive until the kernel returns, as its locals are
+    if absmax_8bit is not None:
+        absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
+        held += [absmax_dq, absmax_dq + absmax_offset]
+        del absmax_dq
+    B_dq = _empty(shapeB, A.dtype)
+    out = torch.nn.functional.linear(A, B_dq, bias)
+    del held, B_dq
+    return out
+
+
+KERNELS = {
+    "quantize_4bit.default": _quantize_4bit,
+    "quantize_blockwise.default": _quantize_blockwise,
+    "dequantize_blockwise.default": _dequantize_blockwise,
+    "dequantize_4bit.default": _dequantize_4bit,
+    "gemm_4bit.default": _gemm_4bit,
+}
+
+
+def run_kernel(tracer, func, args, kwargs):
+    """The outputs of bitsandbytes operator `func`, its CUDA kernel's allocations made in `tracer`."""
+    name = f"{func.__name__}"
+    kernel = KERNELS.get(name)
+    if kernel is None:
+        raise LabError(f"bitsandbytes' {name} is not modelled: its CUDA kernel's allocations are unknown to the "
+                       f"lab, so this run cannot be predicted")
+    with tracer:
+        return kernel(tracer, *args, **kwargs)

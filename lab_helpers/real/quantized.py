@@ -1,0 +1,140 @@
+"""Weights quantized to 4 bits by bitsandbytes as they load: the frozen base of QLoRA.
+
+Users load such a model from a bfloat16 (or float16) checkpoint with
+`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...),
+device_map=...)`: transformers (pinned 5.17.0) builds the model on meta, swaps every linear layer
+but the output head for bitsandbytes' Linear4bit, reserves the weights' bytes in one block
+(caching_allocator_warmup), then, key by key in the checkpoint's sorted order, copies a weight to
+the GPU and quantizes it there (blocks of 64 values: packed 4-bit values, a float32 absmax per
+block; with double quantization the absmax in 8 bits, blocks of 256, and their own float32
+absmax, offset and code). On a GPU the lab does exactly that from a random checkpoint it saves
+first; on meta it runs the same steps with bitsandbytes' own quantization code, whose CUDA
+kernels' allocations lab_helpers.real.bnb_kernels makes for the tracer.
+
+The warmup's size is modelled for a fresh process whose weights fit the card less 1.2 GiB
+(transformers caps the block there); 8-bit weights (LLM.int8()) are not modelled: their outlier
+columns are found from the values, so their bytes depend on the data."""
+import contextlib
+
+from lab_helpers.core.errors import LabError
+
+# --quantize: bitsandbytes' 4-bit type and whether the absmax is quantized again
+QUANTIZATIONS = {"nf4": ("nf4", False), "nf4-double": ("nf4", True), "fp4": ("fp4", False),
+                 "fp4-double": ("fp4", True)}
+QUANTIZED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_quantization(kind: str, dtype: str, tensor_parallel: int) -> None:
+    """LabError unless `kind` (a --quantize value) can be predicted and measured with `dtype`."""
+    if kind not in QUANTIZATIONS:
+        raise LabError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    if dtype not in QUANTIZED_DTYPES:
+        raise LabError(f"--quantize {kind} computes in the model's dtype, which must be one of "
+                       f"{', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
+    if tensor_parallel != 1:
+        raise LabError(f"--quantize {kind} is predicted on one GPU only: --tensor-parallel must be 1")
+
+
+def bitsandbytes_config(kind: str, dtype: str):
+    """The BitsAndBytesConfig of `kind`, computing in `dtype` (bnb_4bit_compute_dtype)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    quant_type, double = QUANTIZATIONS[kind]
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+                              bnb_4bit_compute_dtype=getattr(torch, dtype))
+
+
+def _import_bitsandbytes():
+    try:
+        import bitsandbytes
+    except ModuleNotFoundError:
+        raise LabError("--quantize needs bitsandbytes (pinned 0.50.2): run `make lab`") from None
+    return bitsandbytes
+
+
+def quantized_skeleton(hf_config, dtype: str, kind: str):
+    """(model, quantizer): the model on meta as from_pretrained has it before any weight loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+    _import_bitsandbytes()
+    # quantized while loading, as from a checkpoint of plain weights (not a pre-quantized one)
+    quantizer = Bnb4BitHfQuantizer(bitsandbytes_config(kind, dtype), pre_quantized=False)
+    from transformers.modeling_utils import local_torch_dtype
+    # from_pretrained builds and converts the model under the load's default dtype: the Linear4bit
+    # weights that replace the linear layers are made in it
+    with torch.device("meta"), local_torch_dtype(getattr(torch, dtype), "quantized model"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        quantizer.preprocess_model(model=model, dtype=getattr(torch, dtype), device_map={"": "meta"})
+    return model, quantizer
+
+
+def load_on_meta(model, quantizer):
+    """from_pretrained's allocations on the GPU, made on meta (transformers 5.17.0's
+    caching_allocator_warmup, convert_and_load_state_dict_in_model for on-the-fly quantization (one
+    key at a time, no worker threads), _move_missing_keys_from_meta_to_device, tie_weights)."""
+    import torch
+    from transformers.core_model_loading import dot_natural_key
+    from transformers.modeling_utils import get_total_byte_count
+    from transformers.pytorch_utils import Conv1D
+    bnb = _import_bitsandbytes()
+    # bitsandbytes keeps its 8-bit code in a per-process table made at the first double
+    # quantization: a fresh process (the GPU's) makes it during its load
+    bnb.functional.name2qmap.pop("dynamic", None)
+    meta = torch.device("meta")
+    buffers = dict(model.named_non_persistent_buffers())
+    expected = [key for key in model.state_dict() if key not in buffers]
+    tied = set(model.all_tied_weights_keys)
+    total = get_total_byte_count(model, {key: meta for key in expected}, quantizer)[meta]
+    # the warmup block, float16 elements, dropped at once: its segment stays reserved
+    torch.empty(int(total // 2), dtype=torch.float16, device=meta)
+    for key in sorted((k for k in expected if k not in tied), key=dot_natural_key):
+        module_name, _, name = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = getattr(module, name)
+        value = torch.empty(tuple(old.shape), dtype=old.dtype, device=meta)
+        if quantizer.param_needs_quantization(model, key):
+            if issubclass(module.source_cls, Conv1D):
+                value = value.T
+            new = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
+            # Params4bit.to(device) quantizes on any device but meta; this is the step it runs
+            new._quantize(meta)
+        else:
+            new = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+        setattr(module, name, new)
+        del value, new
+    for key, buffer in buffers.items():
+        module_name, _, name = key.rpartition(".")
+        model.get_submodule(module_name)._buffers[name] = torch.empty_like(buffer, device=meta)
+    model.tie_weights()
+    return model
+
+
+@contextlib.contextmanager
+def random_checkpoint(hf_config, dtype: str, seed: int):
+    """A folder holding a random checkpoint of `hf_config` in `dtype` (save_pretrained, built on the
+    CPU: nothing touches the GPU), removed afterwards."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    _import_bitsandbytes()
+    folder = tempfile.mkdtemp(prefix="iteragpu-checkpoint-")
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+        model.save_pretrained(folder)
+        del model
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def load_on_gpu(folder: str, kind: str, dtype: str, device):
+    """The model of `folder` loaded and quantized on `device` as users load it for QLoRA."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=bitsandbytes_config(kind, dtype),
+                                                device_map={"": device}, dtype=getattr(torch, dtype),
+                                                attn_implementation="sdpa")
