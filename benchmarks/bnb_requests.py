@@ -47,26 +47,7 @@ def compare(path: Path, show: int) -> bool:
     gpu, frames = requests.gpu_events({"events": [[a, size, addr, f] for a, addr, size, f in probe["events"]]})
     gpu_c, traced_c = requests.canonical(gpu), requests.canonical(traced_events(probe))
     print(f"{probe['config']} {probe['layers']} layers {probe['quant']} ({probe['batch']}, {probe['context']}):")
-    gpu_tail = gpu_c.pop()[1] if gpu_c and gpu_c[-1][0] == "free" else ()
-    traced_tail = traced_c.pop()[1] if traced_c and traced_c[-1][0] == "free" else ()
-    for i, (g, t) in enumerate(zip(gpu_c, traced_c)):
-        if g != t:
-            print(f"  first difference at item {i} of {len(gpu_c)} (GPU) / {len(traced_c)} (traced)")
-            for j in range(max(0, i - 4), min(i + show, max(len(gpu_c), len(traced_c)))):
-                print(f"  {j:5d} gpu {gpu_c[j] if j < len(gpu_c) else '-'!s:50.50} "
-                      f"traced {traced_c[j] if j < len(traced_c) else '-'!s:50.50}")
-            return False
-    if len(gpu_c) != len(traced_c):
-        print(f"  equal over {min(len(gpu_c), len(traced_c))} items, then GPU {len(gpu_c)}, traced {len(traced_c)}")
-        return False
-    rest = list(gpu_tail)
-    for size in traced_tail:
-        if size not in rest:
-            print(f"  the traced run ends freeing {size} bytes, which the GPU's end does not free")
-            return False
-        rest.remove(size)
-    print(f"  equal: {len(gpu_c)} items")
-    return True
+    return requests.same_requests(gpu_c, traced_c, show)
 
 
 def main(argv=None) -> int:

@@ -143,7 +143,12 @@ def compare(path: Path, show: int) -> bool:
     gpu_c, traced_c = canonical(gpu), canonical(traced_events(probe), before)
     label = f"{probe['family']} ({probe['batch']}, {probe['context']})"
     print(f"{label}: left out: the workspaces made earlier by the probe's process {sorted(before)}")
-    # the end of the run: the frees after the last allocation
+    return same_requests(gpu_c, traced_c, show)
+
+
+def same_requests(gpu_c: list, traced_c: list, show: int) -> bool:
+    """Print the first difference of two canonical sequences, or that they are equal; the frees after
+    the last allocation are the end of the run: the traced ones must be among the GPU's."""
     gpu_tail = gpu_c.pop()[1] if gpu_c and gpu_c[-1][0] == "free" else ()
     traced_tail = traced_c.pop()[1] if traced_c and traced_c[-1][0] == "free" else ()
     for i, (g, t) in enumerate(zip(gpu_c, traced_c)):
