@@ -76,7 +76,8 @@ def _gemm_4bit(tracer, A, B, shapeB, absmax, blocksize, quant_type, bias=None, a
     if M > CUSTOM_MAX_ROWS or K % blocksize != 0:
         fused = False
     else:
-        fused = _device_rule(behaviour.multiprocessors, *behaviour.compute_capability)(0, A.dtype, M, N, K)
+        rule = _device_rule(behaviour.multiprocessors, behaviour.compute_major, behaviour.compute_minor)
+        fused = rule(0, A.dtype, M, N, K)
     if fused:
         A = A.contiguous()
         out = _empty((*A.shape[:-1], N), A.dtype)

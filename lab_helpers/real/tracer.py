@@ -55,7 +55,9 @@ class CudaBehaviour:
     # the device, for the reduction kernels' launch configuration
     multiprocessors: int = 132
     threads_per_multiprocessor: int = 2048
-    compute_capability: tuple = (9, 0)
+    # compute capability major.minor (two ints: a trace key is JSON, where a tuple would read back a list)
+    compute_major: int = 9
+    compute_minor: int = 0
 
 
 DEFAULT_BEHAVIOUR = CudaBehaviour()
