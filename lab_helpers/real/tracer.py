@@ -16,13 +16,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lab_helpers.allocator.budget import BudgetMixin, OutOfMemory
 from lab_helpers.allocator.model import AllocatorModel, LARGE_SEGMENT_BYTES
 from lab_helpers.core.numbers import MIB
 
 aten = torch.ops.aten
+_storage_expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired() ends in
 # Collectives, as CUDA runs them under NCCL: c10d's in-place ones (all_reduce and the like)
 # allocate nothing through the caching allocator (NCCL's own buffers live outside it); a
 # functional all_gather allocates its output, which its meta kernel reproduces; wrapping
@@ -238,6 +238,22 @@ def _layout_key(value):
     return (type(value).__name__, value)
 
 
+def _tensors(value, found=None) -> list:
+    """The tensors in an op's arguments or results, in order (what pytree's tree_leaves keeps of
+    them: an aten op's arguments hold tensors, scalars and lists of them; its results are a tensor
+    or a tuple), at a fraction of tree_leaves' cost, which ran twice per traced op."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    return found
+
+
 def _plain_storage(t) -> bool:
     """True when `t` owns exactly the storage empty_strided would give it."""
     if t.device.type != "meta" or t.storage_offset() != 0:
@@ -299,10 +315,11 @@ class AllocationTracer(TorchDispatchMode):
     def collect(self, settled: bool = False) -> None:
         """Release every traced storage that no tensor refers to any more."""
         for table in (self.live, self.settled) if settled else (self.live,):
-            for key, (ref, block, _) in list(table.items()):
-                if ref.expired():
-                    del table[key]
-                    self.allocator.free(block)
+            # StorageWeakRef.expired() without its Python wrapper: this scan runs before every
+            # allocation, over every young storage (a long trace's hottest loop)
+            dead = [key for key, entry in table.items() if _storage_expired(entry[0].cdata)]
+            for key in dead:
+                self.allocator.free(table.pop(key)[1])
 
     def settle(self) -> None:
         """Mark every storage alive now as long-lived (checked at phase boundaries only)."""
@@ -319,8 +336,8 @@ class AllocationTracer(TorchDispatchMode):
 
     def _track(self, result, inputs) -> None:
         held = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(result):
-            if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+        for t in _tensors(result):
+            if t.device.type != "meta":
                 continue
             storage = t.untyped_storage()
             key = storage._cdata
@@ -362,7 +379,7 @@ class AllocationTracer(TorchDispatchMode):
             from lab_helpers.real.bnb_kernels import run_kernel
             return run_kernel(self, func, args, kwargs)
         result = self._run(func, args, kwargs)
-        self._track(result, tree_leaves((args, kwargs)))
+        self._track(result, _tensors((args, kwargs)))
         self._after_kernel(func, args)
         return result
 
@@ -388,7 +405,7 @@ class AllocationTracer(TorchDispatchMode):
         outs = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, tuple) else None
         # an op that returned an input as it is (dropout in eval) makes no storage: not cached,
         # or its next call would get a fresh one (Phi-3's second dropout of each layer did)
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
         if outs and all(isinstance(t, torch.Tensor) and _plain_storage(t) and t.untyped_storage()._cdata not in inputs
                         for t in outs):
             found = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs]
