@@ -92,10 +92,16 @@ def load_on_meta(model, quantizer):
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name)
         old = getattr(module, name)
-        value = torch.empty(tuple(old.shape), dtype=old.dtype, device=meta)
-        if quantizer.param_needs_quantization(model, key):
-            if issubclass(module.source_cls, Conv1D):
-                value = value.T
+        quantize = quantizer.param_needs_quantization(model, key)
+        if quantize and issubclass(module.source_cls, Conv1D):
+            # the checkpoint holds Conv1D's (in, out) tensor, the transpose of the skeleton's
+            # Linear4bit weight; transformers quantizes its transposed view, so that the 4-bit
+            # weight is (out, in) as a Linear's (quantized the other way, bitsandbytes' product
+            # takes its dequantize-then-linear path at every size)
+            value = torch.empty(tuple(old.shape)[::-1], dtype=old.dtype, device=meta).T
+        else:
+            value = torch.empty(tuple(old.shape), dtype=old.dtype, device=meta)
+        if quantize:
             new = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
             # Params4bit.to(device) quantizes on any device but meta; this is the step it runs
             new._quantize(meta)
