@@ -19,10 +19,13 @@ venv-test: git-filter
 # the working copy only. Set in this checkout's own git config, and only when this folder is the
 # top of a git checkout (an unpacked copy inside another repository is left alone). `required`: a
 # notebook the filter cannot clean (not JSON, a NaN, a lone surrogate) is refused by `git add`, never
-# stored with its outputs or as a file no JSON reader accepts.
+# stored with its outputs or as a file no JSON reader accepts. A required filter needs both directions:
+# without a smudge command git fails every checkout, merge or pull that writes a notebook; `cat`
+# writes the stored form as it is.
 git-filter:
 	@if [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$$(pwd -P)" ]; then \
 	  git config filter.notebook-strip.clean "python3 -m lab_helpers.notebook_strip"; \
+	  git config filter.notebook-strip.smudge cat; \
 	  git config filter.notebook-strip.required true; fi
 
 # PYTHONSAFEPATH=1 (Python 3.11+, inherited by every kernel): no notebook's Python puts its working

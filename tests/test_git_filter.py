@@ -301,3 +301,31 @@ def test_a_notebook_the_filter_cannot_clean_is_refused_by_git_add(scratch_repo, 
         assert path.read_bytes() == data
     finally:
         path.unlink()
+
+
+def test_checkouts_and_merges_that_write_notebooks_succeed_with_the_filter_set(scratch_repo):
+    # a required filter with no smudge command fails every checkout that writes a notebook
+    # ("smudge filter notebook-strip failed"): a `git pull` after `make lab` would stop there
+    repo = scratch_repo
+    assert git(repo, "config", "filter.notebook-strip.smudge").strip() == "cat"
+    stored = sorted((repo / "notebooks").glob("*.ipynb"))[0]
+    name = f"notebooks/{stored.name}"
+    working = stored.read_bytes()  # another test may have left it run (with outputs)
+    branch, start = git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip(), git(repo, "rev-parse", "HEAD").strip()
+    before = subprocess.run([GIT, "show", f"HEAD:{name}"], cwd=repo, capture_output=True, check=True).stdout
+    try:
+        git(repo, "checkout", "-q", "-b", "edited")
+        notebook = json.loads(before)
+        notebook["cells"][0]["source"] = "edited"
+        stored.write_bytes(strip_bytes(json.dumps(notebook).encode()))  # as the filter stores it
+        edited = stored.read_bytes()
+        git(repo, "commit", "-q", "-am", "edit a notebook")
+        git(repo, "checkout", "-q", branch)  # writes the notebook back as the first commit stores it
+        assert stored.read_bytes() == before
+        git(repo, "merge", "-q", "edited")  # a fast-forward that writes the edited notebook
+        assert stored.read_bytes() == edited and git(repo, "status", "--porcelain") == ""
+    finally:
+        git(repo, "checkout", "-q", "-f", branch)
+        git(repo, "reset", "-q", "--hard", start)
+        git(repo, "branch", "-q", "-D", "edited", check=False)
+        stored.write_bytes(working)
