@@ -80,7 +80,8 @@ def add_run_flags(parser, sizes_required=True) -> None:
     parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default=None,
                         help="load the weights as bitsandbytes quantizes them to 4 bits while loading (QLoRA's "
                              "base; -double also quantizes the absmax): from_pretrained with a BitsAndBytesConfig "
-                             "computing in --dtype; one GPU; with --task train, --train qlora trains LoRA adapters on it")
+                             "computing in --dtype; one GPU; with --task train, --train qlora trains LoRA adapters "
+                             "on it")
 
 
 def quantized(shape, args):

@@ -5,6 +5,8 @@ backward, optimizer_step and zero_grad; measured on a GPU and traced on meta for
 inference run's own model_load), then trains it: on a GPU each phase is measured with the
 allocator's counters (`measure_training_model`), on the meta device each is traced op by op by
 lab_helpers.real.train_trace and replayed on the allocator model (`predict_training_model`).
+With --train qlora the base is the 4-bit model of lab_helpers.real.quantized, prepared by peft's
+prepare_model_for_kbit_training before its LoRA adapters are added (`prepare_kbit_training`).
 """
 from dataclasses import asdict, dataclass, replace
 
