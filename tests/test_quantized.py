@@ -298,3 +298,36 @@ def test_qlora_refusals_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, 
     assert code == 2 and captured.out == "", captured
     assert len(err) == 1 and err[0].startswith("real_model: error: ") and message in err[0], err
     assert "Traceback" not in captured.err and list(tmp_path.iterdir()) == []
+
+
+def test_fit_task_train_qlora_names_its_base_and_its_boundary_holds():
+    pytest.importorskip("peft")
+    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.real.train_fit import fit_training
+    shape = parse_config(TINY_ODD, "tiny-odd")
+    base = TrainSpec("tiny-odd", batch=1, context=64, train="qlora", lora_rank=4, quantize="fp4")
+    budget = 140_000_000
+    result = fit_training(shape, base, budget, "given", context=64)
+    assert result["train"] == "qlora" and result["quantize"] == "fp4"
+    largest = result["largest_batch_at_context"]
+    fitting = predict_training_model(shape, replace(base, batch=largest, steps=2), budget)
+    assert fitting["overall"]["peak_reserved_bytes"] <= budget
+    with pytest.raises(OutOfMemory):
+        predict_training_model(shape, replace(base, batch=largest + 1, steps=2), budget)
+
+
+def test_the_traced_empty_cache_gives_back_wholly_free_segments_only():
+    # prepare_model_for_kbit_training's torch.cuda.empty_cache(), as the meta trace replays it
+    import torch
+    from lab_helpers.real.train_trace import TrainingTracer
+    tracer = TrainingTracer()
+    alloc = tracer.allocator
+    with tracer:
+        large = torch.empty(30 * MIB, dtype=torch.uint8, device="meta")  # a 30 MiB segment of its own
+        kept = torch.empty(100, dtype=torch.uint8, device="meta")  # a 512-byte block of a 2 MiB segment
+        del large
+        tracer.empty_cache()
+    assert (alloc.allocated, alloc.reserved) == (512, 2 * MIB)
+    del kept
+    tracer.empty_cache()
+    assert (alloc.allocated, alloc.reserved) == (0, 0)

@@ -144,7 +144,8 @@ def fit_train_command(args) -> int:
 
 def train_fit_table(result: dict) -> str:
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
-             f"training: {result['train']} fine-tuning, {result['optimizer']}"
+             f"training: {result['train']} fine-tuning"
+             + (f" on the {result['quantize']} base" if "quantize" in result else "") + f", {result['optimizer']}"
              + (", gradient checkpointing" if result["gradient_checkpointing"] else "")]
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
