@@ -67,7 +67,7 @@ def measured_run(shape, spec):
                        "segments_made": made, "segments_released": freed})
         return result
 
-    run_training_protocol(shape, spec, device, phase)
+    run_training_protocol(shape, spec, device, phase, torch.cuda.empty_cache)
     torch.cuda.memory._record_memory_history(enabled=None)
     return phases
 

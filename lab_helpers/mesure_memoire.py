@@ -1157,7 +1157,8 @@ MEASUREMENT_SCHEMA = {
                 "steps": {"type": "integer", "minimum": 2, "maximum": MAX_TRAIN_STEPS},
                 "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
                 "fused": {"type": "boolean"},
-                "train": {"enum": ["full", "lora"]},
+                "train": {"enum": ["full", "lora", "qlora"]},
+                "quantize": {"enum": ["nf4", "nf4-double", "fp4", "fp4-double"]},  # --train qlora's 4-bit base
                 "lora_rank": {"type": "integer", "minimum": 1},
                 "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
                 "gradient_checkpointing": {"type": "boolean"},

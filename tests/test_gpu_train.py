@@ -3,7 +3,8 @@
 bfloat16 weights, with and without gradient checkpointing, and LoRA), and the acceptance table of
 three real families (Llama, Qwen3, GPT-NeoX), each cut to 2 layers (widths, heads and vocabulary
 kept), at four (batch, context) points, for full AdamW, LoRA rank 8 and full AdamW with gradient
-checkpointing: 36 runs of 3 optimizer steps, 14 records each.
+checkpointing: 36 runs of 3 optimizer steps, 14 records each; and QLoRA on llama-3.1-8b cut to 2 layers
+(nf4-double, rank 8) at three points, allocated asserted exact at every phase's start and end.
 
     ITERAGPU_TEST_DEVICE=cuda:0 python3 -m pytest -o addopts= -m gpu tests/test_gpu_train.py
 
@@ -297,3 +298,48 @@ def test_acceptance_table(acceptance, request, family, point, mode):
                     "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
            "train-acceptance-summary.jsonl")
     assert bound_problems(rows) == []
+
+
+# ------------------------------------------------------------------------------------- QLoRA
+# llama-3.1-8b cut to 2 layers, its 4-bit base (nf4, double quantization) loaded by from_pretrained from a
+# random bfloat16 checkpoint saved on the CPU first, peft's prepare_model_for_kbit_training, LoRA rank 8
+# (peft's default targets, q_proj and v_proj), AdamW foreach, 3 steps. Not measured yet: the first run on
+# the H200 fills this comment. The bf16 LoRA run of the acceptance table at (1, 128) was +524288 bytes of
+# allocated at a phase's end (KNOWN_DIFFERENCES): if this one shows the same, that is the likely cause.
+QLORA_POINTS = ((1, 128, ()), (2, 256, ()), (1, 128, ("--gradient-checkpointing",)))
+
+
+def difference_table(rows: list) -> str:
+    """Every record's difference (measured - predicted) in each counter, for a failure's message."""
+    lines = ["record: " + ", ".join(COUNTERS)]
+    for row in rows:
+        lines.append(f"{row['phase']} {row['index']}: " + ", ".join(f"{row[f'difference_{k}']:+d}" for k in COUNTERS))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("batch, context, flags", QLORA_POINTS,
+                         ids=[f"{b}x{t}{'-checkpointing' if f else ''}" for b, t, f in QLORA_POINTS])
+def test_two_layers_of_llama_qlora_allocated_is_exact_at_every_phase_end(tmp_path, batch, context, flags):
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): QLoRA was NOT checked")
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pinned 0.50.2): QLoRA was NOT checked")
+    out = tmp_path / "qlora.json"
+    proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config",
+               str(family_config(tmp_path, "llama-3.1-8b")), "--dtype", "bfloat16", "--batch", str(batch),
+               "--context", str(context), "--steps", str(ACCEPTANCE_STEPS), "--train", "qlora", "--quantize",
+               "nf4-double", "--lora-rank", "8", *flags, "--device", CHILD_DEVICE, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measurement = json.loads(out.read_text())
+    assert measurement["configuration"]["quantize"] == "nf4-double"
+    assert measurement["model"]["quantization"] == "nf4-double"
+    result = compare_training_model(measurement)
+    rows = result["rows"]
+    assert len(rows) == 2 + 4 * ACCEPTANCE_STEPS
+    label = {"model": "llama-3.1-8b, 2 layers", "batch": batch, "context": context,
+             "flags": ["--train", "qlora", "--quantize", "nf4-double", "--lora-rank", "8", *flags]}
+    for row in rows:
+        report(label | row, "qlora-acceptance.jsonl")
+    table = difference_table(rows)
+    print(table)  # shown with -s, and in the failure's captured output
+    wrong = [(f"{r['phase']} {r['index']}", key, r[f"difference_{key}"]) for r in rows
+             for key in ("baseline_allocated_bytes", "end_allocated_bytes") if r[f"difference_{key}"] != 0]
+    assert wrong == [], "allocated differs at a phase's start or end:\n" + table

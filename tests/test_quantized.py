@@ -98,7 +98,6 @@ def test_what_cannot_be_quantized_is_refused(kind, dtype, degree, message):
 @pytest.mark.parametrize("extra, message", [
     (["--quantize", "nf4", "--tensor-parallel", "2"], "--tensor-parallel must be 1"),
     (["--quantize", "int8"], "invalid choice"),
-    (["--quantize", "nf4", "--task", "train", "--train", "full"], "not predicted"),
 ])
 def test_the_command_line_refuses_in_one_line(extra, message, tmp_path):
     run = subprocess.run([sys.executable, "-m", "lab_helpers.real_model", "predict", "--config", "qwen1.5-0.5b",
@@ -107,3 +106,228 @@ def test_the_command_line_refuses_in_one_line(extra, message, tmp_path):
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and message in run.stderr and "Traceback" not in run.stderr
     assert run.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ --train qlora
+# QLoRA: the 4-bit base loaded as at inference, peft's prepare_model_for_kbit_training (frozen base, its
+# 16-bit parameters cast to float32, empty_cache), then LoRA adapters (get_peft_model, q_proj and v_proj by
+# default for these families). One layer of each bundled shape, its widths and vocabulary kept.
+from lab_helpers.allocator.model import AllocatorModel  # noqa: E402
+from lab_helpers.real.commands import main  # noqa: E402
+from lab_helpers.real.train import TrainSpec, compare_training_model, predict_training_model  # noqa: E402
+
+MIB = 2**20
+
+
+def fresh_block_bytes(nbytes: int) -> int:
+    """Allocated bytes of a request that opens a segment of its own (CUDACachingAllocator): from 10 MiB on
+    the segment is the request rounded up to 2 MiB, and its rest is split off only when above 1 MiB;
+    below, the block is the request rounded to 512 bytes."""
+    rounded = AllocatorModel.round_size(nbytes)
+    if rounded < 10 * MIB:
+        return rounded
+    segment = -(-rounded // (2 * MIB)) * (2 * MIB)
+    return segment if segment - rounded <= MIB else rounded
+
+
+def base_parameters(shape):
+    """(name, elements) of every parameter of the unquantized model, built on meta by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from lab_helpers.real.protocol import transformers_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(shape), dtype=torch.bfloat16)
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return [(n, p.numel(), n.rsplit(".", 1)[0] in linear) for n, p in model.named_parameters()]
+
+
+QLORA_CASES = [("llama-3.1-8b", "nf4-double"), ("llama-3.1-8b", "fp4"), ("qwen3-8b", "nf4-double"),
+               ("qwen3-8b", "fp4"), ("qwen2.5-7b", "nf4-double")]  # qwen2.5: q/k/v biases, cast too
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def qlora_runs():
+    return {}
+
+
+def qlora_prediction(runs, name, kind):
+    if (name, kind) not in runs:
+        pytest.importorskip("peft")
+        shape = shape_of(name, 1, "")
+        runs[(name, kind)] = shape, predict_training_model(
+            shape, TrainSpec(name, batch=1, context=16, steps=2, train="qlora", lora_rank=RANK, quantize=kind))
+    return runs[(name, kind)]
+
+
+@pytest.mark.parametrize("name, kind", QLORA_CASES)
+def test_qlora_trains_float32_adapters_of_rank_times_in_plus_out(qlora_runs, name, kind):
+    shape, document = qlora_prediction(qlora_runs, name, kind)
+    q_out, v_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    # prepare_model_for_kbit_training leaves the adapters to peft, which makes them float32 (4 bytes): A is
+    # rank x in, B out x rank, per target and layer
+    adapters = [RANK * shape.hidden, q_out * RANK, RANK * shape.hidden, v_out * RANK] * shape.layers
+    trainable = sum(AllocatorModel.round_size(4 * n) for n in adapters)
+    assert trainable == shape.layers * RANK * (shape.hidden + q_out + shape.hidden + v_out) * 4
+    phases = {(p["phase"], p["index"]): p for p in document["phases"]}
+    for step in (0, 1):
+        assert phases[("backward", step)]["end_allocated_bytes_by_kind"]["gradients"] == trainable
+        zero = phases[("zero_grad", step)]
+        assert zero["baseline_allocated_bytes"] - zero["end_allocated_bytes"] == trainable
+    first, second = phases[("optimizer_step", 0)], phases[("optimizer_step", 1)]
+    # AdamW's exp_avg and exp_avg_sq appear at the first step only
+    assert first["end_allocated_bytes"] - first["baseline_allocated_bytes"] == 2 * trainable
+    assert first["end_allocated_bytes_by_kind"]["optimizer_states"] == 2 * trainable
+    assert second["end_allocated_bytes"] == second["baseline_allocated_bytes"]
+    assert document["configuration"]["train"] == "qlora" and document["configuration"]["quantize"] == kind
+    assert document["model"]["quantization"] == kind
+    for p in document["phases"]:
+        assert sum(p["end_allocated_bytes_by_kind"].values()) == p["end_allocated_bytes"]
+
+
+@pytest.mark.parametrize("name, kind", QLORA_CASES)
+def test_qlora_model_load_is_the_inference_load_plus_the_float32_casts_and_the_adapters(qlora_runs, name, kind):
+    shape, document = qlora_prediction(qlora_runs, name, kind)
+    inference = predict_model(replace(shape, quantization=kind), RunSpec(name, batch=1, context=16, new_tokens=1),
+                              trace_cache=TraceCache(None))
+    inference_load = inference["phases"][0]["end_allocated_bytes"]
+    # every parameter that is not a linear layer's weight (embeddings, norms), the output head (never
+    # quantized) and the biases stay bfloat16 in the 4-bit model: prepare_model_for_kbit_training casts each
+    # to float32, the copy made before the bfloat16 block is freed
+    parameters = base_parameters(shape)
+    cast = [n for name_, n, in_linear in parameters
+            if not in_linear or name_.startswith("lm_head") or name_.endswith(".bias")]
+    kinds = {name_.rsplit(".", 1)[-1] for name_, _, in_linear in parameters if not in_linear}
+    assert kinds <= {"weight"} and len(cast) >= 3 + 2 * shape.layers
+    casts = sum(fresh_block_bytes(4 * n) - AllocatorModel.round_size(2 * n) for n in cast)
+    q_out, v_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    adapters = shape.layers * RANK * (shape.hidden + q_out + shape.hidden + v_out) * 4
+    load = document["phases"][0]
+    assert load["end_allocated_bytes"] == inference_load + casts + adapters
+    note = document["notes"][-1]
+    assert note.startswith(f"qlora: the {kind} base") and f"cast {len(cast)} bfloat16 parameters" in note
+    assert f"({sum(cast)} elements" in note
+
+
+def test_a_qlora_measurement_compares_exactly_and_names_its_quantization(qlora_runs, tmp_path, capsys):
+    _, document = qlora_prediction(qlora_runs, "qwen3-8b", "fp4")
+    measurement = {k: document[k] for k in ("schema_version", "configuration", "model")}
+    measurement["kind"] = "iteragpu-lab measurement"
+    measurement["environment"] = {
+        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
+        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+    measurement["phases"] = [{**{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"},
+                              "seconds": 0.002, "device_seconds": 0.001} for p in document["phases"]]
+    from lab_helpers.measurement.schema import measurement_problems
+    assert measurement_problems(measurement) == []
+    got = compare_training_model(measurement)
+    assert got["allocated_exact"] is True and got["peak_reserved_worst_relative"] == 0.0
+    # the model block and the configuration must name the same 4-bit base
+    other = json.loads(json.dumps(measurement))
+    other["model"]["quantization"] = "nf4"
+    with pytest.raises(LabError, match="quantization 'nf4' is not the configuration's quantize 'fp4'"):
+        compare_training_model(other)
+    path = tmp_path / "qlora.json"
+    path.write_text(json.dumps(measurement))
+    assert main(["compare", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["allocated_exact"] is True
+
+
+TINY_ODD = {"model_type": "llama", "hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 3,
+            "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 1003, "max_position_embeddings": 512}
+
+
+def test_qlora_with_gradient_checkpointing_keeps_fewer_activations():
+    pytest.importorskip("peft")
+    shape = parse_config(TINY_ODD, "tiny-odd")
+    runs = [predict_training_model(shape, TrainSpec("tiny-odd", batch=3, context=96, steps=2, train="qlora",
+                                                    lora_rank=5, quantize="nf4-double", gradient_checkpointing=c))
+            for c in (False, True)]
+    forward = [next(p for p in d["phases"] if p["phase"] == "forward") for d in runs]
+    assert (forward[1]["end_allocated_bytes_by_kind"]["activations"]
+            < forward[0]["end_allocated_bytes_by_kind"]["activations"])
+    backward = [next(p for p in d["phases"] if p["phase"] == "backward") for d in runs]
+    # float32 adapters of rank 5 on q_proj (192 -> 192) and v_proj (192 -> 64), each tensor rounded to 512 bytes
+    adapters = 2 * sum(AllocatorModel.round_size(4 * 5 * n) for n in (192, 192, 192, 64))
+    assert adapters == 27648
+    assert backward[0]["end_allocated_bytes_by_kind"]["gradients"] == adapters
+    assert backward[1]["end_allocated_bytes_by_kind"]["gradients"] == adapters
+    assert "reentrant" in runs[1]["notes"][-1] and "reentrant" not in runs[0]["notes"][-1]
+
+
+@pytest.mark.parametrize("command, extra, message", [
+    ("predict", ["--train", "qlora", "--lora-rank", "8"], "--train qlora needs --quantize"),
+    ("measure", ["--train", "qlora", "--lora-rank", "8"], "--train qlora needs --quantize"),
+    ("fit", ["--train", "qlora", "--lora-rank", "8", "--memory-bytes", "1000000000"], "--train qlora needs --quantize"),
+    ("predict", ["--quantize", "nf4"], "--quantize with --train full: 4-bit weights are frozen"),
+    ("predict", ["--quantize", "nf4", "--train", "full"], "use --train qlora"),
+    ("measure", ["--quantize", "nf4-double", "--train", "lora", "--lora-rank", "8"],
+     "--quantize with --train lora: 4-bit weights are frozen"),
+    ("fit", ["--quantize", "fp4", "--train", "lora", "--lora-rank", "8", "--memory-bytes", "1000000000"],
+     "use --train qlora"),
+    ("predict", ["--train", "qlora", "--quantize", "nf4"],
+     "--lora-rank must be a whole number from 1 to 65536 with --train qlora"),
+    ("predict", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "0"], "--lora-rank: must be > 0"),
+    ("predict", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--lora-targets", "q_proj", "nope"],
+     "--lora-targets nope: no such linear layer"),
+    ("predict", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--tensor-parallel", "2"],
+     "tensor-parallel training is out of scope"),
+    ("measure", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--tensor-parallel", "2"],
+     "tensor-parallel training is out of scope"),
+    ("predict", ["--train", "qlora", "--quantize", "int8", "--lora-rank", "4"], "invalid choice: 'int8'"),
+    ("predict", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--lora-targets", "q_proj",
+                 "--dtype", "float16", "--autocast", "bfloat16"], "--autocast bfloat16 cannot be predicted"),
+    ("fit", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--card", "--days", "7"],
+     "--card prices inference runs only"),
+])
+def test_qlora_refusals_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, monkeypatch, command, extra, message):
+    pytest.importorskip("peft")
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "m.json"
+    argv = [command, "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8", "--task", "train", *extra]
+    if command == "measure":
+        argv += ["--output", str(output)]
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert code == 2 and captured.out == "", captured
+    assert len(err) == 1 and err[0].startswith("real_model: error: ") and message in err[0], err
+    assert "Traceback" not in captured.err and list(tmp_path.iterdir()) == []
+
+
+def test_fit_task_train_qlora_names_its_base_and_its_boundary_holds():
+    pytest.importorskip("peft")
+    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.real.train_fit import fit_training
+    shape = parse_config(TINY_ODD, "tiny-odd")
+    base = TrainSpec("tiny-odd", batch=1, context=64, train="qlora", lora_rank=4, quantize="fp4")
+    budget = 140_000_000
+    result = fit_training(shape, base, budget, "given", context=64)
+    assert result["train"] == "qlora" and result["quantize"] == "fp4"
+    largest = result["largest_batch_at_context"]
+    fitting = predict_training_model(shape, replace(base, batch=largest, steps=2), budget)
+    assert fitting["overall"]["peak_reserved_bytes"] <= budget
+    with pytest.raises(OutOfMemory):
+        predict_training_model(shape, replace(base, batch=largest + 1, steps=2), budget)
+
+
+def test_the_traced_empty_cache_gives_back_wholly_free_segments_only():
+    # prepare_model_for_kbit_training's torch.cuda.empty_cache(), as the meta trace replays it
+    import torch
+    from lab_helpers.real.train_trace import TrainingTracer
+    tracer = TrainingTracer()
+    alloc = tracer.allocator
+    with tracer:
+        large = torch.empty(30 * MIB, dtype=torch.uint8, device="meta")  # a 30 MiB segment of its own
+        kept = torch.empty(100, dtype=torch.uint8, device="meta")  # a 512-byte block of a 2 MiB segment
+        del large
+        tracer.empty_cache()
+    assert (alloc.allocated, alloc.reserved) == (512, 2 * MIB)
+    del kept
+    tracer.empty_cache()
+    assert (alloc.allocated, alloc.reserved) == (0, 0)

@@ -145,7 +145,7 @@ def run_main(capsys, *argv):
 
 @pytest.mark.parametrize("extra, message", [
     (("--task", "train", "--steps", "1"), "--steps: must be >= 2"),
-    (("--task", "train", "--train", "qlora"), "bitsandbytes"),
+    (("--task", "train", "--train", "qlora", "--lora-rank", "8"), "--train qlora needs --quantize"),
     (("--task", "train", "--autocast", "bfloat16"), "autocast does not act on tensors of the meta device"),
     (("--task", "train", "--tensor-parallel", "2"), "tensor-parallel training is out of scope"),
     (("--task", "train", "--new-tokens", "4"), "--new-tokens is for inference"),
@@ -166,8 +166,8 @@ def test_bad_training_input_is_one_line_and_exit_2(capsys, tmp_path, extra, mess
 def test_measure_refuses_before_touching_a_file(capsys, tmp_path):
     output = tmp_path / "m.json"
     code, _, err = run_main(capsys, "measure", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8",
-                            "--task", "train", "--train", "qlora", "--output", output)
-    assert code == 2 and "bitsandbytes" in err[0] and not output.exists()
+                            "--task", "train", "--train", "qlora", "--lora-rank", "8", "--output", output)
+    assert code == 2 and "--train qlora needs --quantize" in err[0] and not output.exists()
 
 
 def test_lora_trains_rank_times_in_plus_out_per_target():

@@ -80,16 +80,14 @@ def add_run_flags(parser, sizes_required=True) -> None:
     parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default=None,
                         help="load the weights as bitsandbytes quantizes them to 4 bits while loading (QLoRA's "
                              "base; -double also quantizes the absmax): from_pretrained with a BitsAndBytesConfig "
-                             "computing in --dtype; inference only, one GPU")
+                             "computing in --dtype; one GPU; with --task train, --train qlora trains LoRA adapters "
+                             "on it")
 
 
 def quantized(shape, args):
     """`shape` with --quantize's weights (checked against --dtype and --tensor-parallel)."""
     if args.quantize is None:
         return shape
-    if args.task == "train":
-        raise LabError("--quantize with --task train (QLoRA) is not predicted: the 4-bit base is modelled "
-                       "for inference only")
     if getattr(args, "card", False):
         raise LabError("--quantize with fit --card is not modelled (the card's search splits models across GPUs); "
                        "ask one GPU model with --gpu")
@@ -212,7 +210,6 @@ def check_positions(shape, args) -> "str | None":
 
 def handle_predict(args) -> int:
     if args.task == "train":
-        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         if args.memory_bytes is not None or args.gpu is not None or args.device is not None:
             raise LabError("--memory-bytes, --gpu and --device (a budget) are not modelled with predict --task "
@@ -270,7 +267,6 @@ def handle_compare(args) -> int:
 
 def handle_fit(args) -> int:
     if args.task == "train":
-        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         return fit_train_command(args)
     refuse_model_train_flags(args)
@@ -350,7 +346,6 @@ def measure_command_result(args) -> "dict | None":
 
 def handle_measure(args) -> int:
     if args.task == "train":
-        quantized(None, args)  # refused with --task train
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
         return measure_train_model_command(args)
     refuse_model_train_flags(args)

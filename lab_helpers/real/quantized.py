@@ -113,6 +113,10 @@ def load_on_meta(model, quantizer):
         module_name, _, name = key.rpartition(".")
         model.get_submodule(module_name)._buffers[name] = torch.empty_like(buffer, device=meta)
     model.tie_weights()
+    # as from_pretrained ends: no allocation, but is_loaded_in_4bit, which peft reads to give a
+    # Linear4bit its 4-bit LoRA layer (and prepare_model_for_kbit_training its checkpointing)
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
     return model
 
 

@@ -327,6 +327,13 @@ class AllocationTracer(TorchDispatchMode):
         self.settled.update(self.live)
         self.live.clear()
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): every storage no tensor holds is released, then every wholly
+        free segment goes back to the device (its address range with it)."""
+        self.collect(settled=True)
+        for block in self.allocator.release_free_segments():
+            self.allocator.give_back(block)
+
     @property
     def workspace_bytes(self) -> int:
         return sum(block.size for block in self.persistent)

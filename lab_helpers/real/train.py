@@ -5,8 +5,10 @@ backward, optimizer_step and zero_grad; measured on a GPU and traced on meta for
 inference run's own model_load), then trains it: on a GPU each phase is measured with the
 allocator's counters (`measure_training_model`), on the meta device each is traced op by op by
 lab_helpers.real.train_trace and replayed on the allocator model (`predict_training_model`).
+With --train qlora the base is the 4-bit model of lab_helpers.real.quantized, prepared by peft's
+prepare_model_for_kbit_training before its LoRA adapters are added (`prepare_kbit_training`).
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
@@ -15,9 +17,11 @@ from lab_helpers.measurement.protocol import run_phase
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
 from lab_helpers.real.config import ModelShape, parse_config
 from lab_helpers.real.protocol import check_cuda, run_protocol
+from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization
 from lab_helpers.real.spec import COUNTER_KEYS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, RunSpec, model_description
 
 TRAIN_MODES = ("full", "lora", "qlora")
+ADAPTER_MODES = ("lora", "qlora")  # peft's LoRA adapters on a frozen base: bfloat16 (lora) or 4-bit (qlora)
 LEARNING_RATE = 1e-3  # the values never change the bytes
 SGD_MOMENTUM = 0.9
 MAX_TRAIN_TOKENS = 2**22  # batch x context of one step
@@ -58,6 +62,7 @@ class TrainSpec:
     seed: int = 0
     lora_rank: "int | None" = None
     lora_targets: "tuple | None" = None  # None: peft's default targets for the model type
+    quantize: "str | None" = None  # --train qlora: the 4-bit base's --quantize value (lab_helpers.real.quantized)
 
     def __post_init__(self):
         parse_device(self.device)
@@ -76,28 +81,35 @@ class TrainSpec:
             raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fused and self.optimizer != "adamw":
             raise LabError("--fused is for --optimizer adamw only")
-        if self.train == "lora":
+        if self.train not in TRAIN_MODES:
+            raise LabError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
+        if self.train in ADAPTER_MODES:
             rank = self.lora_rank
             if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
-                raise LabError(f"--lora-rank must be a whole number from 1 to {MAX_LORA_RANK} with --train lora, "
-                               f"got {rank!r}")
+                raise LabError(f"--lora-rank must be a whole number from 1 to {MAX_LORA_RANK} with --train "
+                               f"{self.train}, got {rank!r}")
             targets = self.lora_targets
             if targets is not None and (not isinstance(targets, tuple) or not targets or len(targets) > 64
                                         or not all(isinstance(t, str) and t.isidentifier() for t in targets)):
                 raise LabError("--lora-targets must name modules, such as q_proj v_proj (1 to 64 names)")
         elif self.lora_rank is not None or self.lora_targets is not None:
-            raise LabError("--lora-rank and --lora-targets need --train lora")
-        if self.train == "qlora":
-            raise LabError("--train qlora needs bitsandbytes' 4-bit kernels, which run on CUDA only: they cannot "
-                           "be traced on meta, and bitsandbytes is not on the lab's GPU image")
-        if self.train not in TRAIN_MODES:
-            raise LabError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
+            raise LabError("--lora-rank and --lora-targets need --train lora or qlora")
+        if self.train == "qlora" and self.quantize is None:
+            raise LabError(f"--train qlora needs --quantize ({', '.join(QUANTIZATIONS)}): the 4-bit base it trains "
+                           "adapters on")
+        if self.train != "qlora" and self.quantize is not None:
+            raise LabError(f"--quantize with --train {self.train}: 4-bit weights are frozen, QLoRA trains adapters "
+                           "on them: use --train qlora")
+        if self.quantize is not None:
+            check_quantization(self.quantize, self.dtype, 1)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
 
     def record(self) -> dict:
         record = {"kind": "transformers", "task": "train", **asdict(self)}
-        if self.train != "lora":
+        if self.quantize is None:
+            del record["quantize"]  # the schema takes a --quantize value or nothing
+        if self.train not in ADAPTER_MODES:
             del record["lora_rank"], record["lora_targets"]
         elif self.lora_targets is None:
             del record["lora_targets"]  # peft's defaults for the model type; the schema takes a list or nothing
@@ -119,20 +131,30 @@ def make_model_optimizer(torch, parameters, spec: TrainSpec, device_type: str):
     return torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=SGD_MOMENTUM, **chosen)
 
 
-def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase) -> None:
+def trained_shape(shape: ModelShape, spec: TrainSpec) -> ModelShape:
+    """`shape` with the 4-bit base of --train qlora (its documents' model block names it)."""
+    return replace(shape, quantization=spec.quantize) if spec.quantize else shape
+
+
+def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase, empty_cache) -> None:
     """Build the model (run_protocol's model_load), feed it, then train `spec.steps` steps;
-    `phase(name, action, index, state)` runs each step and returns what the action returned."""
+    `phase(name, action, index, state)` runs each step and returns what the action returned.
+    `empty_cache()` is torch.cuda.empty_cache on a GPU, its replay on the allocator model on meta
+    (prepare_model_for_kbit_training calls it after its casts)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     state = {}
+    shape = trained_shape(shape, spec)
 
     def build(name, action, index, recorded):
         def load():
             model = action().train()
-            if spec.gradient_checkpointing:
+            if spec.train == "qlora":
+                model = prepare_kbit_training(model, spec, empty_cache)
+            elif spec.gradient_checkpointing:
                 model.gradient_checkpointing_enable()  # transformers' own: non-reentrant torch.utils.checkpoint
-            if spec.train == "lora":
+            if spec.train in ADAPTER_MODES:
                 model = wrap_lora(model, spec)
             return model
         state["model"] = phase("model_load", load, None, state)
@@ -173,21 +195,43 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase) -> 
     state.clear()
 
 
-def import_peft():
+def import_peft(mode: str = "lora"):
     try:
         import peft
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "peft":
             raise
-        raise LabError("--train lora needs peft (pip install peft==0.21.2, the version the lab is checked "
+        raise LabError(f"--train {mode} needs peft (pip install peft==0.21.2, the version the lab is checked "
                        "with); it is not installed") from None
     return peft
+
+
+def prepare_kbit_training(model, spec: TrainSpec, empty_cache):
+    """peft's prepare_model_for_kbit_training, as QLoRA users call it on the 4-bit model: every
+    parameter frozen, the float16/bfloat16 ones that are not 4-bit (embeddings, norms, the output
+    head, biases) cast to float32 (param.data = param.data.to(float32): the cast copy is made, then
+    the old storage freed), then torch.cuda.empty_cache(); with --gradient-checkpointing, the input
+    embeddings' output made to require grad and transformers' checkpointing enabled with
+    gradient_checkpointing_kwargs={} (torch's default then: reentrant checkpoint). peft calls
+    empty_cache only where torch.cuda.is_available(): its own call is turned off here and made
+    through `empty_cache`, so that the meta trace replays it wherever the prediction runs."""
+    import inspect
+    peft = import_peft("qlora")
+    # the replay follows peft 0.21.2, which empties the cache after its casts behind this switch: a
+    # peft without the switch is not the one modelled (its release, if any, is unknown to the lab)
+    if "auto_clear_cache" not in inspect.signature(peft.prepare_model_for_kbit_training).parameters:
+        raise LabError(f"--train qlora is modelled with peft 0.21.2's prepare_model_for_kbit_training (its "
+                       f"auto_clear_cache); peft {peft.__version__} has none: pip install peft==0.21.2")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.gradient_checkpointing,
+                                                 auto_clear_cache=False)
+    empty_cache()
+    return model
 
 
 def wrap_lora(model, spec: TrainSpec):
     """The model with peft's LoRA adapters on `spec.lora_targets` (peft's defaults when None), the
     base frozen, as a user wraps it (get_peft_model, lora_alpha = 2 x rank, no dropout)."""
-    peft = import_peft()
+    peft = import_peft(spec.train)
     config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, lora_dropout=LORA_DROPOUT,
                              target_modules=list(spec.lora_targets) if spec.lora_targets else None,
                              task_type="CAUSAL_LM")
@@ -201,9 +245,9 @@ def wrap_lora(model, spec: TrainSpec):
 def check_lora_targets(shape: ModelShape, spec: TrainSpec) -> None:
     """Refuse, before any GPU work, a LoRA target that names no module of the model (checked on a
     one-layer copy built on meta) and a model type peft has no default targets for."""
-    if spec.train != "lora":
+    if spec.train not in ADAPTER_MODES:
         return
-    import_peft()
+    import_peft(spec.train)
     import copy
 
     import torch
@@ -252,9 +296,10 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
         phases.append(record)
         return result
 
-    run_training_protocol(shape, spec, device, phase)
+    run_training_protocol(shape, spec, device, phase, torch.cuda.empty_cache)
     return {"schema_version": SCHEMA_VERSION, "kind": "iteragpu-lab measurement", "environment": env,
-            "configuration": spec.record(), "model": model_description(shape, spec.dtype), "phases": phases}
+            "configuration": spec.record(), "model": model_description(trained_shape(shape, spec), spec.dtype),
+            "phases": phases}
 
 
 def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
@@ -270,6 +315,7 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
     alloc = tracer.allocator
     phases = []
     overall = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
+    prepared = {}  # --train qlora: what prepare_model_for_kbit_training cast
 
     def phase(name, action, index, state):
         tracer.collect(settled=True)
@@ -289,6 +335,8 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
             tracer.settle()  # the weights outlive every later phase: scanned at phase ends only
         for key in overall:
             overall[key] = max(overall[key], getattr(alloc, key.replace("_bytes", "")))
+        if name == "model_load" and spec.train == "qlora":
+            prepared.update(kbit_cast_elements(result, spec))
         phases.append({
             "phase": name, "index": index, "passes": 1 if name in ("forward", "backward") else 0,
             "baseline_allocated_bytes": base_allocated, "baseline_reserved_bytes": base_reserved,
@@ -299,8 +347,10 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
         })
         return result
 
-    run_training_protocol(shape, spec, torch.device("meta"), phase)
+    run_training_protocol(shape, spec, torch.device("meta"), phase, tracer.empty_cache)
     notes = list(TRAIN_NOTES)
+    if spec.train == "qlora":
+        notes.append(qlora_note(spec, **prepared))
     if spec.batch * spec.context > EMBEDDING_DIRECT_MAX_TOKENS:
         notes.append(f"batch x context is above {EMBEDDING_DIRECT_MAX_TOKENS}: the embedding's backward on CUDA "
                      "then sorts the token ids, with temporaries this trace does not add (peaks of backward can "
@@ -309,7 +359,7 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
         "schema_version": SCHEMA_VERSION,
         "kind": "iteragpu-lab prediction",
         "configuration": spec.record(),
-        "model": model_description(shape, spec.dtype),
+        "model": model_description(trained_shape(shape, spec), spec.dtype),
         "optimizer": {"name": spec.optimizer, "implementation": spec.implementation,
                       "note": ("torch.optim's default on CUDA for float parameters is foreach (never fused unless "
                                "fused=True is passed)" if not spec.fused else "AdamW(fused=True): torch._fused_adamw_")},
@@ -320,6 +370,27 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
         "overall": overall,
         "phases": phases,
     }
+
+
+def kbit_cast_elements(model, spec: TrainSpec) -> dict:
+    """The base's parameters prepare_model_for_kbit_training cast to float32 (every one that is
+    neither 4-bit nor a LoRA adapter, when the model's dtype is 16-bit): their count and elements."""
+    cast = [p for name, p in model.named_parameters()
+            if "lora_" not in name and type(p).__name__ != "Params4bit"] if spec.dtype != "float32" else []
+    return {"cast_parameters": len(cast), "cast_elements": sum(p.numel() for p in cast)}
+
+
+def qlora_note(spec: TrainSpec, cast_parameters: int, cast_elements: int) -> str:
+    what = (f"cast {cast_parameters} {spec.dtype} parameters ({cast_elements} elements: embeddings, norms, the "
+            f"output head, biases) to float32, 2 more bytes per element in model_load, then emptied the cache"
+            if cast_parameters else "cast nothing (the model's dtype is already float32), then emptied the cache")
+    checkpointing = ("; with --gradient-checkpointing it made the input embeddings' output require grad and "
+                     "enabled transformers' checkpointing with gradient_checkpointing_kwargs={} (torch's "
+                     "reentrant checkpoint)" if spec.gradient_checkpointing else "")
+    return (f"qlora: the {spec.quantize} base loaded as from_pretrained quantizes it; peft's "
+            f"prepare_model_for_kbit_training froze every parameter and {what}{checkpointing}; the LoRA adapters "
+            "(float32) are the only trained parameters, and the 4-bit product's backward dequantizes each weight "
+            "(bitsandbytes' dequantize_4bit) to compute the input's gradient")
 
 
 def _model_bytes_by_kind(tracer, state: dict, model, allocated: int) -> dict:
@@ -365,6 +436,10 @@ def compare_training_model(measurement: dict) -> dict:
     try:
         spec = train_spec_from(measurement["configuration"])
         shape = parse_config(measurement["model"]["config"], spec.config_name)
+        measured_kind = measurement["model"].get("quantization")
+        if measured_kind != spec.quantize:
+            raise ValueError(f"the model block's quantization {measured_kind!r} is not the configuration's "
+                             f"quantize {spec.quantize!r}")
         measured = measurement["phases"]
         [[m[k] for k in COUNTER_KEYS] for m in measured]
     except (KeyError, TypeError, ValueError) as exc:

@@ -22,7 +22,8 @@ def add_model_train_flags(parser) -> None:
                              "the causal-LM loss, backward, optimizer_step and zero_grad per step")
     parser.add_argument("--train", choices=TRAIN_MODES, default=None,
                         help="with --task train: what is trained; full (default: every parameter), lora (peft's "
-                             "adapters on a frozen base, needs --lora-rank); qlora is refused with the reason")
+                             "adapters on a frozen base, needs --lora-rank), qlora (the same adapters on a 4-bit "
+                             "base, needs --lora-rank and --quantize)")
     parser.add_argument("--steps", type=whole_number(2, MAX_TRAIN_STEPS), default=None,
                         help=f"with --task train: optimizer steps, 2 to {MAX_TRAIN_STEPS} (default 3)")
     parser.add_argument("--optimizer", choices=TRAIN_OPTIMIZERS, default=None,
@@ -33,10 +34,11 @@ def add_model_train_flags(parser) -> None:
                         help="with --task train: transformers' gradient checkpointing (backward recomputes each "
                              "layer's forward instead of keeping its activations)")
     parser.add_argument("--lora-rank", type=whole_number(1, MAX_LORA_RANK), default=None, metavar="R",
-                        help=f"with --train lora: the adapters' rank, 1 to {MAX_LORA_RANK} (lora_alpha 2R, no dropout)")
+                        help=f"with --train lora or qlora: the adapters' rank, 1 to {MAX_LORA_RANK} (lora_alpha 2R, "
+                             "no dropout)")
     parser.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
-                        help="with --train lora: the linear layers that get adapters, by name (default: peft's "
-                             "defaults for the model type, q_proj v_proj for Llama and Qwen2)")
+                        help="with --train lora or qlora: the linear layers that get adapters, by name (default: "
+                             "peft's defaults for the model type, q_proj v_proj for Llama and Qwen2)")
     parser.add_argument("--autocast", choices=("bfloat16",), default=None,
                         help="with --task train: fp32 weights under bf16 autocast; refused for now (autocast does "
                              "not act on the meta device, so it cannot be predicted)")
@@ -70,7 +72,8 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=
                      steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw",
                      fused=args.fused, train=args.train or "full", gradient_checkpointing=args.gradient_checkpointing,
                      device=device, seed=seed, lora_rank=args.lora_rank,
-                     lora_targets=None if args.lora_targets is None else tuple(args.lora_targets))
+                     lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
+                     quantize=args.quantize)
 
 
 def check_train_positions(shape, args) -> None:
@@ -141,7 +144,8 @@ def fit_train_command(args) -> int:
 
 def train_fit_table(result: dict) -> str:
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
-             f"training: {result['train']} fine-tuning, {result['optimizer']}"
+             f"training: {result['train']} fine-tuning"
+             + (f" on the {result['quantize']} base" if "quantize" in result else "") + f", {result['optimizer']}"
              + (", gradient checkpointing" if result["gradient_checkpointing"] else "")]
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "

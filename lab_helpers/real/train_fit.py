@@ -67,6 +67,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
     result = {
         "config_name": shape.name, "task": "train", "train": base.train, "dtype": base.dtype,
         "optimizer": base.optimizer, "fused": base.fused, "gradient_checkpointing": base.gradient_checkpointing,
+        **({"quantize": base.quantize} if base.quantize else {}),  # --train qlora's 4-bit base
         "budget_bytes": budget_bytes, "budget_source": budget_source,
         "criterion": (f"{TRAIN_FIT_STEPS} optimizer steps (the second is the steady state) fit when the replayed "
                       "allocator never needs more than the budget, after releasing its wholly free cached "
