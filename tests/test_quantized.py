@@ -1,7 +1,8 @@
 """bitsandbytes' 4-bit weights (--quantize): predicted on the CPU, pinned to the H200's counters.
 
 The pinned figures are benchmarks/bnb_probe.py's runs on an NVIDIA H200 (torch 2.11.0+cu130,
-transformers 5.17.0, bitsandbytes 0.50.2, 2026-12-01; docs/validation/2026-12-01-late-one-h200.md):
+transformers 5.17.0, bitsandbytes 0.50.2, 2026-12-01 and 2026-12-02; docs/validation/2026-12-01-late-one-h200.md,
+docs/validation/2026-12-02-one-h200.md):
 from_pretrained of a random bfloat16 checkpoint with a BitsAndBytesConfig, the prompt, the prefill
 and three decode steps, each phase's (end allocated, end reserved, peak allocated, peak reserved)."""
 import json
@@ -32,6 +33,11 @@ H200 = {
         (1269548032, 1317011456, 1302360576, 1317011456), (1269550080, 1317011456, 1269550080, 1317011456),
         (1305202688, 1390411776, 1361957376, 1390411776), (1305219072, 1390411776, 1307276288, 1390411776),
         (1305235456, 1390411776, 1307292672, 1390411776), (1305251840, 1390411776, 1307309056, 1390411776)],
+    # Conv1D weights, quantized from the checkpoint's transposed (in, out) tensor (2026-12-02 probe)
+    ("gpt2", 2, "nf4-double"): [
+        (86533120, 167772160, 86533120, 167772160), (86535168, 167772160, 86535168, 167772160),
+        (122711552, 174063616, 131854336, 174063616), (122723840, 174063616, 123137536, 174063616),
+        (122736128, 174063616, 123152896, 174063616), (122748416, 174063616, 123168256, 174063616)],
 }
 
 
