@@ -17,10 +17,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# predictions keep their traces under the user's cache folder: the tests' go to a folder of their own
-# (inherited by the commands they start), never to the user's
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="iteragpu-lab-test-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# One scratch folder per test session, made by the first process that loads this file (pytest's
+# controller, before it starts its workers) and inherited by the workers and every command a test
+# starts; that process removes it at exit.
+# - Predictions keep their traces under the user's cache folder: the tests' go to this folder, never
+#   to the user's, and both workers share them (the cache writes through a temporary file and a rename).
+# - Bytecode: where the environment forbids writing it (PYTHONDONTWRITEBYTECODE), every Python a test
+#   starts would compile torch's and transformers' sources again, about a second of CPU each. The
+#   session compiles them once, into this folder (never beside the sources).
+if "ITERAGPU_TEST_SCRATCH" not in os.environ:
+    _scratch = Path(tempfile.mkdtemp(prefix="iteragpu-lab-test-"))
+    atexit.register(shutil.rmtree, _scratch, True)
+    os.environ.update(ITERAGPU_TEST_SCRATCH=str(_scratch), XDG_CACHE_HOME=str(_scratch / "cache"),
+                      PYTHONPYCACHEPREFIX=str(_scratch / "bytecode"))
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+sys.dont_write_bytecode = False
 GENERATED_TAG = "generated-from:"
 MODULE_KINDS = ("standalone", "notebook")
 COMMAND_KINDS = ("standalone", "package")
