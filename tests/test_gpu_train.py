@@ -308,10 +308,13 @@ def test_acceptance_table(acceptance, request, family, point, mode):
 # ------------------------------------------------------------------------------------- QLoRA
 # llama-3.1-8b cut to 2 layers, its 4-bit base (nf4, double quantization) loaded by from_pretrained from a
 # random bfloat16 checkpoint saved on the CPU first, peft's prepare_model_for_kbit_training, LoRA rank 8
-# (peft's default targets, q_proj and v_proj), AdamW foreach, 3 steps. Not measured yet: the first run on
-# the H200 fills this comment. The bf16 LoRA run of the acceptance table at (1, 128) was +524288 bytes of
-# allocated at a phase's end (KNOWN_DIFFERENCES): if this one shows the same, that is the likely cause.
+# (peft's default targets, q_proj and v_proj), AdamW foreach, 3 steps. Measured on the H200 on 2026-12-02
+# (docs/validation/2026-12-02-one-h200.md): (2, 256) and (1, 128) with checkpointing exact in every counter
+# of all 14 records; (1, 128) measured 1048576 bytes of allocated above the prediction at each forward's
+# end (and in the forward's and backward's peaks), reserved exact: the class of the bf16 rows at (1, 128)
+# of KNOWN_DIFFERENCES (a block the GPU's allocator kept whole where the model split one), not explained.
 QLORA_POINTS = ((1, 128, ()), (2, 256, ()), (1, 128, ("--gradient-checkpointing",)))
+QLORA_KNOWN = {(1, 128, ()): "allocated +1048576 at each forward's end"}
 
 
 def difference_table(rows: list) -> str:
@@ -324,7 +327,10 @@ def difference_table(rows: list) -> str:
 
 @pytest.mark.parametrize("batch, context, flags", QLORA_POINTS,
                          ids=[f"{b}x{t}{'-checkpointing' if f else ''}" for b, t, f in QLORA_POINTS])
-def test_two_layers_of_llama_qlora_allocated_is_exact_at_every_phase_end(tmp_path, batch, context, flags):
+def test_two_layers_of_llama_qlora_allocated_is_exact_at_every_phase_end(tmp_path, request, batch, context, flags):
+    known = QLORA_KNOWN.get((batch, context, flags))
+    if known and not STRICT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"measured on the H200: {known}"))
     pytest.importorskip("peft", reason="peft is not installed (pip install peft==0.21.2): QLoRA was NOT checked")
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pinned 0.50.2): QLoRA was NOT checked")
     out = tmp_path / "qlora.json"
