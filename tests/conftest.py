@@ -154,6 +154,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# A measurement's environment as an H200 records it (the fixtures below: no GPU made them).
+H200_ENVIRONMENT = {
+    "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
+    "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
+    "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+    "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+
+
+def training_measurement(prediction, model_key="model", shift=0):
+    """A schema-valid training measurement whose counters are `prediction`'s (a fixture: no GPU
+    made it); `shift` bytes are added to the last record's peak allocated. `model_key`: "model" for
+    a transformers model, "synthetic_model" for the synthetic network."""
+    document = {k: prediction[k] for k in ("schema_version", "configuration", model_key)}
+    document["kind"] = "iteragpu-lab measurement"
+    document["environment"] = dict(H200_ENVIRONMENT)
+    document["phases"] = [{**{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"},
+                           "seconds": 0.002, "device_seconds": 0.001} for p in prediction["phases"]]
+    document["phases"][-1]["peak_allocated_bytes"] += shift
+    return document
+
+
 def full_measurement(mm, config, shift=0):
     """A schema-valid measurement document whose counters are `config`'s prediction (a fixture:
     no GPU made it). `shift` bytes are added to the last record's peak allocated."""
@@ -161,11 +182,7 @@ def full_measurement(mm, config, shift=0):
     for key in ("workspace", "reserved_assumptions", "budget", "cache_releases"):  # a prediction's own
         document.pop(key, None)
     document["kind"] = "iteragpu-lab measurement"
-    document["environment"] = {
-        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
-        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
-        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
-        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
+    document["environment"] = dict(H200_ENVIRONMENT)
     for phase in document["phases"]:
         phase.update(seconds=0.002, device_seconds=0.001)
         if phase["phase"] == "warm_forward":

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("bitsandbytes")  # in .ci/requirements-test.txt: present wherever the suite runs
 
+from conftest import training_measurement  # noqa: E402
 from lab_helpers.core.errors import LabError  # noqa: E402
 from lab_helpers.real.config import parse_config  # noqa: E402
 from lab_helpers.real.predict import compare_model, predict_model  # noqa: E402
@@ -217,15 +218,7 @@ def test_qlora_model_load_is_the_inference_load_plus_the_float32_casts_and_the_a
 
 def test_a_qlora_measurement_compares_exactly_and_names_its_quantization(qlora_runs, tmp_path, capsys):
     _, document = qlora_prediction(qlora_runs, "qwen3-8b", "fp4")
-    measurement = {k: document[k] for k in ("schema_version", "configuration", "model")}
-    measurement["kind"] = "iteragpu-lab measurement"
-    measurement["environment"] = {
-        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
-        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
-        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
-        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
-    measurement["phases"] = [{**{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"},
-                              "seconds": 0.002, "device_seconds": 0.001} for p in document["phases"]]
+    measurement = training_measurement(document)
     from lab_helpers.measurement.schema import measurement_problems
     assert measurement_problems(measurement) == []
     got = compare_training_model(measurement)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import training_measurement
 from lab_helpers.measurement.schema import measurement_problems
 from lab_helpers.synthetic.network import MeasureConfig
 from lab_helpers.synthetic.training import (TrainSettings, compare_training, optimizer_state_bytes,
@@ -117,41 +118,22 @@ def test_the_output_says_which_optimizer_implementation_runs(predictions):
     assert any("first optimizer_step" in note for note in predictions[0]["notes"])
 
 
-def measurement_from(prediction, shift=0):
-    """A schema-valid measurement document whose counters are the prediction (a fixture: no GPU
-    made it); `shift` bytes are added to the last record's peak allocated."""
-    document = {k: prediction[k] for k in ("schema_version", "configuration", "synthetic_model")}
-    document["kind"] = "iteragpu-lab measurement"
-    document["environment"] = {
-        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
-        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
-        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
-        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
-    document["phases"] = []
-    for phase in prediction["phases"]:
-        record = {k: v for k, v in phase.items() if k != "end_allocated_bytes_by_kind"}
-        record.update(seconds=0.002, device_seconds=0.001)
-        document["phases"].append(record)
-    document["phases"][-1]["peak_allocated_bytes"] += shift
-    return document
-
-
 def test_a_training_measurement_is_schema_valid_and_compares_exactly(predictions):
-    document = measurement_from(predictions[0])
+    document = training_measurement(predictions[0], "synthetic_model")
     assert measurement_problems(document) == []
     got = compare_training(document)
     assert got["allocated_exact"] is True and got["exact"] is True
     assert len(got["rows"]) == 2 + 4 * 3
-    shifted = compare_training(measurement_from(predictions[0], shift=512))
+    shifted = compare_training(training_measurement(predictions[0], "synthetic_model", shift=512))
     assert shifted["allocated_exact"] is False
     assert shifted["rows"][-1]["difference_peak_allocated_bytes"] == 512
 
 
 def test_the_schema_refuses_an_unknown_phase_and_a_single_step(predictions):
-    document = measurement_from(predictions[0])
+    document = training_measurement(predictions[0], "synthetic_model")
     document["phases"][3]["phase"] = "backwards"
     assert measurement_problems(document)
-    document = measurement_from(predictions[0])
+    document = training_measurement(predictions[0], "synthetic_model")
     document["configuration"]["steps"] = 1
     assert measurement_problems(document)
 
@@ -171,7 +153,7 @@ def _run_main(mm_program, tmp_path, *argv):
 
 def test_compare_on_the_command_line(mm_program, predictions, tmp_path):
     path = tmp_path / "m.json"
-    path.write_text(json.dumps(measurement_from(predictions[2], shift=512)))
+    path.write_text(json.dumps(training_measurement(predictions[2], "synthetic_model", shift=512)))
     proc = _run_main(mm_program, tmp_path, "compare", str(path), "--fail-on-difference")
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["allocated_exact"] is False

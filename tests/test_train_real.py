@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from conftest import training_measurement
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.measurement.schema import measurement_problems
 from lab_helpers.real.commands import main
@@ -108,28 +109,15 @@ def test_gradient_checkpointing_lowers_the_peak_of_backward(tiny_pair):
     assert checkpointed["configuration"]["gradient_checkpointing"] is True
 
 
-def measurement_from(prediction):
-    document = {k: prediction[k] for k in ("schema_version", "configuration", "model")}
-    document["kind"] = "iteragpu-lab measurement"
-    document["environment"] = {
-        "python_version": "3.12.3", "torch_version": "2.11.0+cu130", "cuda_build_version": "13.0",
-        "hip_build_version": None, "runtime_note": "note", "device": "cuda:0", "device_count": 1,
-        "device_visible": True, "device_name": "NVIDIA H200", "compute_capability": "9.0",
-        "total_memory_bytes": 150754820096, "free_memory_bytes": 150000000000}
-    document["phases"] = [{**{k: v for k, v in p.items() if k != "end_allocated_bytes_by_kind"},
-                           "seconds": 0.002, "device_seconds": 0.001} for p in prediction["phases"]]
-    return document
-
-
 def test_a_training_measurement_is_schema_valid_and_compares_exactly(tiny_pair):
-    document = measurement_from(tiny_pair[1])
+    document = training_measurement(tiny_pair[1])
     assert measurement_problems(document) == []
     got = compare_training_model(document)
     assert got["allocated_exact"] is True and got["peak_reserved_worst_relative"] == 0.0
     document["phases"][3]["peak_allocated_bytes"] += 512
     got = compare_training_model(document)
     assert got["allocated_exact"] is False and got["rows"][3]["difference_peak_allocated_bytes"] == 512
-    broken = measurement_from(tiny_pair[1])
+    broken = training_measurement(tiny_pair[1])
     del broken["configuration"]["steps"]
     assert measurement_problems(broken)
 
@@ -185,7 +173,7 @@ def test_lora_trains_rank_times_in_plus_out_per_target():
     first = phases[("optimizer_step", 0)]
     assert first["end_allocated_bytes"] - first["baseline_allocated_bytes"] == 2 * trainable
     assert document["configuration"]["lora_rank"] == rank
-    assert measurement_problems(measurement_from(document)) == []
+    assert measurement_problems(training_measurement(document)) == []
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -334,8 +322,8 @@ def test_a_lora_measurement_with_peft_default_targets_compares_on_the_command_li
     # its configuration leaves lora_targets out (the schema takes a list or nothing, never null)
     pytest.importorskip("peft")
     shape = parse_config(dict(TINY, num_hidden_layers=2), "tiny")
-    document = measurement_from(predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=1, context=16,
-                                                                        steps=2, train="lora", lora_rank=4)))
+    document = training_measurement(predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=1, context=16,
+                                                                            steps=2, train="lora", lora_rank=4)))
     assert "lora_targets" not in document["configuration"] and document["configuration"]["lora_rank"] == 4
     assert measurement_problems(document) == []
     path = tmp_path / "lora.json"
