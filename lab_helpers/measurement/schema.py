@@ -18,6 +18,8 @@ TRAIN_STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 TRAIN_OPTIMIZERS = ("adamw", "sgd")
+# --quantize: bitsandbytes' 4-bit type, "-double" when the absmax is quantized again
+QUANTIZE_KINDS = ("nf4", "nf4-double", "fp4", "fp4-double")
 
 
 MAX_TRAIN_STEPS = 1000
@@ -187,7 +189,7 @@ MEASUREMENT_SCHEMA = {
                 "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
                 "fused": {"type": "boolean"},
                 "train": {"enum": ["full", "lora", "qlora"]},
-                "quantize": {"enum": ["nf4", "nf4-double", "fp4", "fp4-double"]},  # --train qlora's 4-bit base
+                "quantize": {"enum": list(QUANTIZE_KINDS)},  # --train qlora's 4-bit base
                 "lora_rank": {"type": "integer", "minimum": 1},
                 "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
                 "gradient_checkpointing": {"type": "boolean"},

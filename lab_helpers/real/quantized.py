@@ -17,10 +17,10 @@ columns are found from the values, so their bytes depend on the data."""
 import contextlib
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.measurement.schema import QUANTIZE_KINDS
 
 # --quantize: bitsandbytes' 4-bit type and whether the absmax is quantized again
-QUANTIZATIONS = {"nf4": ("nf4", False), "nf4-double": ("nf4", True), "fp4": ("fp4", False),
-                 "fp4-double": ("fp4", True)}
+QUANTIZATIONS = {kind: (kind.removesuffix("-double"), kind.endswith("-double")) for kind in QUANTIZE_KINDS}
 QUANTIZED_DTYPES = ("bfloat16", "float16", "float32")
 
 
