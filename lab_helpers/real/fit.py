@@ -12,6 +12,7 @@ from lab_helpers.pricing.card import RATE_CARD_PATH, ForfaitError, load_card
 from lab_helpers.real.budget import budget_source_text, rank_budget
 from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
 from lab_helpers.real.predict import fake_process_group, load_for_prediction, predict_model
+from lab_helpers.real.search import Probe, largest_fitting
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_TOKENS, RunSpec
 
 # What a real-model measuring process holds outside the allocator (cuBLAS, cuDNN attention, argmax
@@ -80,11 +81,15 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
 
 
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
+    """{"fits", and the peaks under the budget where it fits, else with no cap}: a run that does not fit
+    is replayed again from its trace with no cap, its peaks guiding fit's search (lab_helpers.real.search)."""
     from lab_helpers.real.tracer import OutOfMemory
     try:
         prediction = predict_model(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
-        return {"fits": False}
+        uncapped = predict_model(shape, spec, capacity_bytes=None, loaded=loaded)["overall"]
+        return {"fits": False, "uncapped_peak_reserved_bytes": uncapped["peak_reserved_bytes"],
+                "uncapped_peak_allocated_bytes": uncapped["peak_allocated_bytes"]}
     return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
             "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
 
@@ -153,30 +158,7 @@ def prediction_limit(new_tokens: int) -> int:
 
 
 class SearchBounded(Exception):
-    """The search reached its number of predictions (internal: caught where the search runs)."""
-
-
-def _largest(fits, high: int) -> tuple:
-    """(largest v in [1, high] with fits(v), assuming fits is monotone, 0 if none; whether the
-    search stopped at its bound first, v then being a lower bound)."""
-    low = 0
-    try:
-        if not fits(1):
-            return 0, False
-        low = 1
-        probe = 2
-        while probe <= high and fits(probe):
-            low, probe = probe, probe * 2
-        top = min(probe, high + 1)  # fits(top) is False, or top is beyond the bound
-        while top - low > 1:
-            middle = (low + top) // 2
-            if fits(middle):
-                low = middle
-            else:
-                top = middle
-    except SearchBounded:
-        return low, True
-    return low, False
+    """The card's search reached its number of predictions (internal: caught where the search runs)."""
 
 
 def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int, budget_source: str,
@@ -230,20 +212,31 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     from lab_helpers.real.progress import progress_bar
     bar = progress_bar(None, f"fit {shape.name}", "prediction")
 
-    def fits(b, t):
+    def probe(b, t):
+        """The search's Probe of (b, t), predicted once; None once the search's bound is reached."""
         if (b, t) not in cache:
             if loaded is None or not may_fit(b, t):
                 cache[(b, t)] = {"fits": False}
+            elif len(predictions) >= limit:
+                return None
             else:
-                if len(predictions) >= limit:
-                    raise SearchBounded
                 bar.set_postfix_str(f"batch {b}, context {t}")
                 cache[(b, t)] = _fits(shape, replace(base, batch=b, context=t), budget_bytes, loaded)
                 predictions.append((b, t))
                 bar.update()
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
-        return cache[(b, t)]["fits"]
+        found = cache[(b, t)]
+        return Probe(found["fits"], found.get("peak_reserved_bytes", found.get("uncapped_peak_reserved_bytes")),
+                     found.get("peak_allocated_bytes", found.get("uncapped_peak_allocated_bytes")))
+
+    def ceiling(high, holds):
+        """The largest v in [0, high] where holds(v) (monotone: weights and cache grow with v)."""
+        low, top = 0, high + 1
+        while top - low > 1:
+            middle = (low + top) // 2
+            low, top = (middle, top) if holds(middle) else (low, middle)
+        return low
 
     result = {
         "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
@@ -259,22 +252,28 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
                                "pages beyond the budget, after unmapping every whole free page as PyTorch does "
                                "before an out-of-memory error; peak reserved is then at most the budget")
     if batch is not None and context is not None:
+        # the point is predicted first, whatever the bound, and each search starts from it
         point = ({"fits": False} if loaded is None else
                  _fits(shape, replace(base, batch=batch, context=context), budget_bytes, loaded))
+        cache[(batch, context)] = point
         result.update({"batch": batch, "context": context, "fits": point["fits"],
                        "peak_reserved_bytes": point.get("peak_reserved_bytes"),
                        "headroom_bytes": budget_bytes - point["peak_reserved_bytes"] if point["fits"] else None})
     bounded = []
     if batch is not None:
         result["batch"] = batch  # the table names it
-        result["largest_context_at_batch"], stopped = _largest(lambda t: fits(batch, t), context_limit)
+        high = ceiling(context_limit, lambda t: loaded is not None and may_fit(batch, t))
+        result["largest_context_at_batch"], stopped = largest_fitting(lambda t: probe(batch, t), high, budget_bytes,
+                                                                      start=context)
         result["context_bound"] = context_limit
         if stopped:
             bounded.append("largest_context_at_batch")
     if context is not None:
         high = min(MAX_MODEL_BATCH, MAX_TOKENS // (context + new_tokens))
         result["context"] = context
-        result["largest_batch_at_context"], stopped = _largest(lambda b: fits(b, context), high)
+        result["largest_batch_at_context"], stopped = largest_fitting(
+            lambda b: probe(b, context),
+            ceiling(high, lambda b: loaded is not None and may_fit(b, context)), budget_bytes, start=batch)
         result["batch_bound"] = high
         if stopped:
             bounded.append("largest_batch_at_context")

@@ -4,37 +4,14 @@ from dataclasses import replace
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import ModelShape
+from lab_helpers.real.search import Probe, largest_fitting
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT
 from lab_helpers.real.train import MAX_TRAIN_TOKENS, TrainSpec, predict_training_model
 
-MAX_TRAIN_FIT_PREDICTIONS = 24  # each traces a whole training run: the search stops here, saying so
+# each traces a whole training run: the search stops here, saying so (a run that does not fit is not
+# traced again with no cap for its peaks: the search is guided by the peaks of the runs that fit)
+MAX_TRAIN_FIT_PREDICTIONS = 24
 TRAIN_FIT_STEPS = 2  # the second step is the steady state: states, gradients and activations at once
-
-
-class TrainSearchBounded(Exception):
-    """The search reached MAX_TRAIN_FIT_PREDICTIONS (caught where the search runs)."""
-
-
-def largest_fitting(fits, high: int) -> tuple:
-    """(largest v in [1, high] with fits(v), fits assumed monotone, 0 if none; whether the search
-    stopped at its bound first, v then being a lower bound)."""
-    low = 0
-    try:
-        if not fits(1):
-            return 0, False
-        low, probe = 1, 2
-        while probe <= high and fits(probe):
-            low, probe = probe, probe * 2
-        top = min(probe, high + 1)
-        while top - low > 1:
-            middle = (low + top) // 2
-            if fits(middle):
-                low = middle
-            else:
-                top = middle
-    except TrainSearchBounded:
-        return low, True
-    return low, False
 
 
 def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_source: str,
@@ -49,20 +26,23 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
     base = replace(base, steps=TRAIN_FIT_STEPS)
     cache, predictions = {}, []
 
-    def fits(b, t):
+    def probe(b, t):
+        """The search's Probe of (b, t), predicted once; None once the search's bound is reached."""
         if (b, t) not in cache:
             if b * t > MAX_TRAIN_TOKENS:
                 cache[(b, t)] = None
             else:
                 if len(predictions) >= MAX_TRAIN_FIT_PREDICTIONS:
-                    raise TrainSearchBounded
+                    return None
                 predictions.append((b, t))
                 try:
                     cache[(b, t)] = predict_training_model(shape, replace(base, batch=b, context=t),
                                                            budget_bytes)["overall"]
                 except OutOfMemory:
                     cache[(b, t)] = None
-        return cache[(b, t)] is not None
+        found = cache[(b, t)]
+        return (Probe(False) if found is None else
+                Probe(True, found["peak_reserved_bytes"], found["peak_allocated_bytes"]))
 
     result = {
         "config_name": shape.name, "task": "train", "train": base.train, "dtype": base.dtype,
@@ -75,7 +55,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
     }
     bounded = []
     if batch is not None and context is not None:
-        result.update({"batch": batch, "context": context, "fits": fits(batch, context)})
+        result.update({"batch": batch, "context": context, "fits": probe(batch, context).fits})
         if result["fits"]:
             result["peak_reserved_bytes"] = cache[(batch, context)]["peak_reserved_bytes"]
             result["headroom_bytes"] = budget_bytes - result["peak_reserved_bytes"]
@@ -83,13 +63,14 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
         result["batch"] = batch
         high = min(MAX_MODEL_CONTEXT, shape.max_positions or MAX_MODEL_CONTEXT)
         # a training sequence has 2 tokens at least (one predicts the next): search v = context - 1
-        found, stopped = largest_fitting(lambda v: fits(batch, v + 1), high - 1)
+        found, stopped = largest_fitting(lambda v: probe(batch, v + 1), high - 1, budget_bytes,
+                                         start=None if context is None else context - 1)
         result["largest_context_at_batch"] = found + 1 if found else 0
         if stopped:
             bounded.append("largest_context_at_batch")
     if context is not None:
         result["context"] = context
-        found, stopped = largest_fitting(lambda b: fits(b, context), MAX_MODEL_BATCH)
+        found, stopped = largest_fitting(lambda b: probe(b, context), MAX_MODEL_BATCH, budget_bytes, start=batch)
         result["largest_batch_at_context"] = found
         if stopped:
             bounded.append("largest_batch_at_context")

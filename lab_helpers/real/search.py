@@ -1,0 +1,97 @@
+"""The largest size (a batch, a context) whose run fits a memory budget, with as few predictions as
+the answer allows: `fit` and `fit --task train` ask it, each prediction costing a trace and a replay.
+
+The search keeps a bracket, the largest size known to fit and the smallest known not to, until they
+are neighbours: the answer is a size that fits whose next one does not. Where fitting is monotone (a
+larger batch or context never fits where a smaller one does not) that is the largest size that fits,
+the answer of a search that tries every size from 1 up. It is not always: the allocator's segments can
+make a context fit where a smaller one does not (tests/test_search.py pins such cases), and then the
+answer is one of the boundaries, near the caller's own point when it gives one, not necessarily the
+largest. Only the order of the probes is
+chosen, and it is chosen from the probes' peak reserved bytes: a run's peak grows almost affinely with
+its batch and context (weights fixed, activations and key/value cache proportional), so the size
+where the peak meets the budget is interpolated from the probes nearest to it (regula falsi, in
+integers), and a step that does not halve the bracket is followed by a bisection, so no search takes
+more than about twice the probes of a bisection, and most take a few.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one prediction of the search says: whether the run fits, and, where known, its peaks with
+    no cap (None where the prediction gave none). The peaks only guide the choice of the next size:
+    a run fits at most where its peak allocated meets the budget, and at least where its peak reserved
+    with no cap does (under the budget the allocator releases cached segments before failing)."""
+
+    fits: bool
+    peak_reserved_bytes: "int | None" = None
+    peak_allocated_bytes: "int | None" = None
+
+
+def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = None) -> tuple:
+    """(the largest v in [1, high] whose probe fits, 0 if none; whether the search stopped first, v then
+    being a size that fits, a lower bound of the largest).
+
+    `probe(v)` returns a Probe, or None once the caller's bound on predictions is reached (the search
+    then stops). `start`, when in [1, high], is probed first: a size the caller already predicted (its
+    own point), whose answer bounds the search from below or above."""
+    low, top = 0, high + 1  # fits(low) (0: vacuously), not fits(top) (high + 1: beyond the bound)
+    reserved, allocated = {}, {}
+    # A round probes where the peak reserved is expected to meet the budget, then one past where the
+    # peak allocated is: the boundary lies between them, so where the peaks are close to affine in the
+    # size the round closes the bracket or leaves it narrow. A round that does not halve the bracket is
+    # followed by a bisection. Where fewer than two peaks are known, the search doubles the largest size
+    # that fits until one does not (few probes when the answer is far below the bound), then bisects.
+    pending = [start] if start is not None and 1 <= start <= high else []
+    bisect_next = False
+    while top - low > 1:
+        width = top - low
+        guessed = not pending and not bisect_next
+        if pending:
+            sizes, pending = pending, []
+        elif guessed:
+            sizes = [size for size in (_crossing(low, top, reserved, budget_bytes),
+                                       _crossing(low, top, allocated, budget_bytes, past=1)) if size is not None]
+        else:
+            sizes = []
+        if not sizes and top > high:  # no size has failed yet: gallop up from the largest that fits
+            sizes, guessed = [min(max(2 * low, 1), high)], False
+        elif not sizes:
+            sizes, guessed = [(low + top) // 2], False
+        for size in sizes:
+            if not low < size < top:  # the first probe of a round may have moved the bracket past it
+                continue
+            answer = probe(size)
+            if answer is None:
+                return low, True
+            for peaks, value in ((reserved, answer.peak_reserved_bytes), (allocated, answer.peak_allocated_bytes)):
+                if value is not None:
+                    peaks[size] = value
+            if answer.fits:
+                low = size
+            else:
+                top = size
+        bisect_next = guessed and 2 * (top - low) > width
+    return low, False
+
+
+def _crossing(low: int, top: int, peaks: dict, budget_bytes: int, past: int = 0) -> "int | None":
+    """The largest size at which the line through two known peaks stays within the budget, plus `past`:
+    the two peaks nearest the bracket (one each side where both are known, else the two nearest on one
+    side); None where fewer than two are known, they do not grow, or the size is outside (low, top)."""
+    below = sorted(size for size in peaks if size <= low)
+    above = sorted(size for size in peaks if size >= top)
+    if below and above:
+        a, b = below[-1], above[0]
+    elif len(below) >= 2:
+        a, b = below[-2], below[-1]
+    elif len(above) >= 2:
+        a, b = above[0], above[1]
+    else:
+        return None
+    rise = peaks[b] - peaks[a]
+    if rise <= 0:
+        return None
+    size = a + (budget_bytes - peaks[a]) * (b - a) // rise + past
+    return size if low < size < top else None

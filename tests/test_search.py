@@ -1,0 +1,203 @@
+"""The size search of fit and fit --task train (lab_helpers.real.search): the same answer as trying every
+size from 1 up, on a table of monotone cases (staircases of segments, a boundary beyond the peak
+reserved's crossing as under release-and-retry, none or every size fitting, a start on either side),
+at most about twice a bisection's probes, and, on real models, the same fit documents as the search
+that galloped from 1 (the number of predictions apart)."""
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab_helpers.real import fit as fit_module
+from lab_helpers.real import train_fit
+from lab_helpers.real.config import parse_config
+from lab_helpers.real.fit import fit_model
+from lab_helpers.real.search import Probe, largest_fitting
+from lab_helpers.real.trace_cache import TraceCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_replay import reduced  # noqa: E402
+
+MIB = 2**20
+BUDGET = 149380136960
+
+
+def galloping(probe, high, budget_bytes, start=None):
+    """The search fit ran before: 1, 2, 4, ... until a size does not fit, then a bisection."""
+    low = 0
+    answer = probe(1) if high >= 1 else None
+    if answer is None or not answer.fits:
+        return 0, answer is None and high >= 1
+    low, size = 1, 2
+    while size <= high:
+        answer = probe(size)
+        if answer is None:
+            return low, True
+        if not answer.fits:
+            break
+        low, size = size, size * 2
+    top = min(size, high + 1)
+    while top - low > 1:
+        middle = (low + top) // 2
+        answer = probe(middle)
+        if answer is None:
+            return low, True
+        low, top = (middle, top) if answer.fits else (low, middle)
+    return low, False
+
+
+def synthetic(seed):
+    """A monotone case: peaks affine plus a quadratic term, rounded up to a segment size, an overhead of
+    cached segments in the peak reserved of which a share is released under the budget."""
+    r = random.Random(seed)
+    high = r.choice([1, 2, 7, 100, 4096, 130000])
+    weights, slope, square = r.randint(0, 148 * 10**9), r.randint(1, 3 * 10**6), r.randint(0, 10**9)
+    segment = r.choice([512, 2 * MIB, 20 * MIB, 512 * MIB])
+    overhead, released = r.choice([0, 10**8, 10**10]), r.random()
+
+    def allocated(v):
+        return weights + slope * v + square * v * v // 10**8
+
+    def reserved(v):
+        return -(-(allocated(v) + overhead * v // max(high, 1)) // segment) * segment
+
+    def fits(v):
+        return allocated(v) + released * (reserved(v) - allocated(v)) <= BUDGET
+
+    truth = max((v for v in range(1, min(high, 200000) + 1) if fits(v)), default=0) if high <= 4096 else None
+    if truth is None:  # monotone: bisect for the truth
+        low, top = 0, high + 1
+        while top - low > 1:
+            middle = (low + top) // 2
+            low, top = (middle, top) if fits(middle) else (low, middle)
+        truth = low
+    start = r.choice([None, 1, max(1, truth), truth + 1, max(1, truth // 3), high])
+    return high, fits, reserved, allocated, truth, start
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_the_search_finds_what_trying_every_size_finds(seed):
+    high, fits, reserved, allocated, truth, start = synthetic(seed)
+    asked = []
+
+    def probe(v):
+        assert 1 <= v <= high and v not in asked  # in bounds, and never the same size twice
+        asked.append(v)
+        # a run that does not fit gives its peaks with no cap in one case of two
+        known = fits(v) or seed % 2
+        return Probe(fits(v), reserved(v) if known else None, allocated(v) if known else None)
+
+    assert largest_fitting(probe, high, BUDGET, start) == (truth, False)
+    assert len(asked) <= 2 * high.bit_length() + 3
+    assert galloping(lambda v: Probe(fits(v)), high, BUDGET) == (truth, False)
+
+
+@pytest.mark.parametrize("high,start,truth", [(0, None, 0), (1, None, 0), (1, None, 1), (1, 1, 1), (1, 1, 0),
+                                              (5, 9, 3), (5, 0, 5), (64, 64, 64), (64, 64, 63), (64, 1, 0)])
+def test_the_edges_of_the_range(high, start, truth):
+    asked = []
+
+    def probe(v):
+        asked.append(v)
+        return Probe(v <= truth)
+
+    assert largest_fitting(probe, high, BUDGET, start) == (truth, False)
+    assert all(1 <= v <= high for v in asked) and len(asked) == len(set(asked))
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2, 5])
+def test_a_bounded_search_keeps_a_size_that_fits_and_says_it_stopped(bound):
+    asked = []
+
+    def probe(v):
+        if len(asked) >= bound:
+            return None
+        asked.append(v)
+        return Probe(v <= 1000, 10**9 + v * 10**6)
+
+    found, stopped = largest_fitting(probe, 4096, 10**9 + 1000 * 10**6, start=None)
+    assert stopped and found <= 1000 and (found == 0 or found in asked)
+
+
+# ---- real models: each size found fits and the next does not; where fitting is monotone around them,
+# the documents of the galloping search, the number of predictions apart. Fitting is not always
+# monotone: the allocator's size classes can make a larger context fit where a smaller one does not
+# (case 2 below, pinned), and the two searches may then stop at different boundaries, each a size that
+# fits whose next does not.
+CASES = [  # (config, new tokens, batch, context, tensor parallel, budget as the point's peak reserved + slack)
+    ("llama-3.1-8b", 8, 2, 300, 1, 0),
+    ("llama-3.1-8b", 8, 2, 300, 1, 7 * MIB),
+    ("qwen2.5-7b", 6, 3, 200, 2, 3 * MIB),
+    ("qwen3-8b", 4, None, 64, 1, -MIB),
+]
+NOT_MONOTONE = {2: (221, 258)}  # case: a context that fits whose next does not, a larger one that fits
+
+
+def _document(shape, new_tokens, batch, context, degree, budget, monkeypatch, search):
+    with monkeypatch.context() as patch:
+        patch.setattr(fit_module, "largest_fitting", search)
+        found = fit_model(shape, "bfloat16", new_tokens, budget, "test", batch=batch, context=context,
+                          tensor_parallel=degree, trace_cache=TraceCache(None))
+    return found
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fit_finds_a_boundary_and_the_galloping_searchs_where_fitting_is_monotone(case, monkeypatch):
+    from lab_helpers.real.predict import predict_model
+    from lab_helpers.real.spec import RunSpec
+    name, new_tokens, batch, context, degree, slack = CASES[case]
+    shape = parse_config(reduced(name, vocab_size=1000 + 1000 * case), name)
+    point = RunSpec(shape.name, batch=batch or 2, context=context, new_tokens=new_tokens,
+                    decode_record_every=new_tokens, tensor_parallel=degree)
+    budget = predict_model(shape, point, trace_cache=TraceCache(None))["overall"]["peak_reserved_bytes"] + slack
+    new = _document(shape, new_tokens, batch, context, degree, budget, monkeypatch, largest_fitting)
+    old = _document(shape, new_tokens, batch, context, degree, budget, monkeypatch, galloping)
+    new.pop("predictions_run"), old.pop("predictions_run")
+
+    def fits(b, t):
+        return fit_model(shape, "bfloat16", new_tokens, budget, "test", batch=b, context=t, tensor_parallel=degree,
+                         trace_cache=TraceCache(None))["fits"]
+
+    found = {key: new[key] for key in ("largest_context_at_batch", "largest_batch_at_context") if key in new}
+    for key, size in found.items():
+        b, t = (batch, size) if key == "largest_context_at_batch" else (size, context)
+        after = (b, t + 1) if key == "largest_context_at_batch" else (b + 1, t)
+        assert size > 0 and fits(b, t) and not fits(*after)
+    if case in NOT_MONOTONE:
+        smaller, larger = NOT_MONOTONE[case]
+        assert fits(batch, smaller) and not fits(batch, smaller + 1) and fits(batch, larger)
+    assert json.dumps(new, sort_keys=True) == json.dumps(old, sort_keys=True)
+
+
+def test_fit_task_train_finds_a_boundary_where_the_galloping_search_does(monkeypatch):
+    """A one-layer model whose activations are small beside its weights and states, the budget 3 MiB
+    above the point's peak: whether a context fits turns on the segments' fragmentation and flips
+    back and forth (fits at 113, not at 114 to 150, fits at 200 to 271): each search stops at a
+    boundary, a context that fits whose next does not, not the same one."""
+    from dataclasses import replace
+
+    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.real.train import TrainSpec, predict_training_model
+    shape = parse_config(reduced("llama-3.1-8b", layers=1, vocab_size=500), "llama-3.1-8b")
+    spec = TrainSpec(shape.name, batch=2, context=48, steps=2, train="full")
+    budget = predict_training_model(shape, spec)["overall"]["peak_reserved_bytes"] + 3 * MIB
+
+    def fits(b, t):
+        try:
+            predict_training_model(shape, replace(spec, batch=b, context=t), budget)
+        except OutOfMemory:
+            return False
+        return True
+
+    documents = []
+    for search in (largest_fitting, galloping):
+        with monkeypatch.context() as patch:
+            patch.setattr(train_fit, "largest_fitting", search)
+            documents.append(train_fit.fit_training(shape, spec, budget, "test", batch=2, context=48))
+    for document in documents:
+        context, batch = document["largest_context_at_batch"], document["largest_batch_at_context"]
+        assert fits(2, context) and not fits(2, context + 1) and fits(batch, 48) and not fits(batch + 1, 48)
+    assert [d["largest_context_at_batch"] for d in documents] == [271, 113]
+    assert documents[0]["largest_batch_at_context"] == documents[1]["largest_batch_at_context"]
