@@ -278,8 +278,9 @@ def test_qlora_with_gradient_checkpointing_keeps_fewer_activations():
     ("predict", ["--train", "qlora", "--quantize", "int8", "--lora-rank", "4"], "invalid choice: 'int8'"),
     ("predict", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--lora-targets", "q_proj",
                  "--dtype", "float16", "--autocast", "bfloat16"], "--autocast bfloat16 cannot be predicted"),
-    ("fit", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--card", "--days", "7"],
-     "--card prices inference runs only"),
+    ("fit", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--card"], "--card needs --days"),
+    ("fit", ["--train", "qlora", "--quantize", "nf4", "--lora-rank", "4", "--card", "--days", "7",
+             "--tensor-parallel", "2"], "tensor-parallel training is out of scope"),
 ])
 def test_qlora_refusals_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, monkeypatch, command, extra, message):
     pytest.importorskip("peft")

@@ -210,10 +210,11 @@ def test_fit_task_train_gives_the_boundary_its_predictions_show():
         predict_training_model(shape, TrainSpec("tiny", dtype="float32", batch=largest + 1, context=128, steps=2), budget)
 
 
-def test_fit_task_train_refuses_the_card(capsys):
+def test_fit_card_task_train_refuses_tensor_parallel(capsys):
+    # fit --card --task train asks one GPU of each model (tests/test_train_card.py): no degree to search
     code, _, err = run_main(capsys, "fit", "--config", "qwen1.5-0.5b", "--task", "train", "--card", "--batch", "1",
-                            "--context", "8", "--days", "7")
-    assert code == 2 and len(err) == 1 and "--card prices inference runs only" in err[0], err
+                            "--context", "8", "--days", "7", "--tensor-parallel", "2")
+    assert code == 2 and len(err) == 1 and "tensor-parallel training is out of scope" in err[0], err
 
 
 # Measured on the H200 (2026-12-01, torch 2.11.0+cu130, peft 0.21.2): two layers of qwen1.5-0.5b, bfloat16,

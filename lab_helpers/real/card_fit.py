@@ -77,6 +77,80 @@ def check_request(days, accepted_results) -> None:
                        f"got {accepted_results!r}")
 
 
+def capped_where_needed(cache: dict, predict, degree: int, budget: int) -> dict:
+    """`predict(degree, budget)`'s answer for `budget`, through `cache`: the run with no cap
+    (UNCAPPED_BUDGET_BYTES) first, once per degree, then a capped run only where it is needed."""
+    # Every budget of the card faces the same traced run: under a budget at or above that run's peak
+    # reserved with no cap, the capped allocator never reaches its cap, so it replays the same
+    # requests to the same peaks, and the run with no cap answers every such budget. A budget below
+    # that peak needs its own capped run: there the capped allocator releases its wholly free cached
+    # segments and retries before failing, as PyTorch does, so the run may still fit (with a lower
+    # peak reserved) or not.
+    if (degree, None) not in cache:
+        cache[(degree, None)] = predict(degree, UNCAPPED_BUDGET_BYTES)
+    free = cache[(degree, None)]
+    if free["fits"] and free["peak_reserved_bytes"] <= budget:
+        return free
+    if (degree, budget) not in cache:
+        cache[(degree, budget)] = predict(degree, budget)
+    return cache[(degree, budget)]
+
+
+def card_models(rows: list, days: int) -> dict:
+    """{model_id: its row of `days`} in the card's own order (every model has a row for every duration)."""
+    models = {}
+    for row in rows:
+        if row["duration_days"] == days:
+            models.setdefault(row["model_id"], row)
+    return models
+
+
+def card_entry(gpu: str, row: dict, budget: dict, fits: bool) -> dict:
+    """The columns of every answer row: the GPU model, whether the run fits, its budget (gpu_budget_bytes)."""
+    return {"gpu": gpu, "display_name": row["display_name"], "fits": fits,
+            "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget}
+
+
+def priced_entry(entry: dict, rows: list, row: dict, days: int, degree: int, point: dict,
+                 accepted_results=None) -> dict:
+    """`entry` (card_entry's) of a GPU model that fits at `degree`, with the run's peaks (`point`), the
+    lots that degree needs and their price for `days` (exact cents, lab_helpers.pricing.forfait)."""
+    gpu = entry["gpu"]
+    nccl, nccl_source = nccl_outside_bytes(gpu, degree)
+    rank_budget = entry["budget_bytes"] - nccl
+    lots = math.ceil(degree / row["gpus_per_lot"])
+    price = compute_forfait(rows, gpu, days, lots, accepted_results)
+    entry.update({
+        "tensor_parallel": degree, "lots": lots, "gpus_per_lot": row["gpus_per_lot"],
+        "gpus": price["gpus"], "idle_gpus": price["gpus"] - degree,
+        "peak_reserved_bytes": point["peak_reserved_bytes"],
+        "peak_allocated_bytes": point["peak_allocated_bytes"],
+        "nccl_outside_allocator_bytes": nccl, "nccl_source": nccl_source,
+        "rank_budget_bytes": rank_budget,
+        "headroom_bytes": rank_budget - point["peak_reserved_bytes"],
+        "lot_price_cents": price["lot_price_cents"], "total_price_cents": price["total_price_cents"],
+        "total_price": price["total_price"], "unit_cost_cents": price["unit_cost_cents"],
+        "unit_cost": price["unit_cost"],
+    })
+    return entry
+
+
+def card_heading(rows: list, days: int, accepted_results, card_name: str) -> dict:
+    """What an answer says of the forfaits it prices: duration, accepted results, currency, card."""
+    return {"days": days, "accepted_results": accepted_results, "currency": rows[0]["currency"],
+            "rate_card": printable(card_name),
+            "snapshot_date": ", ".join(sorted({r["snapshot_date"] for r in rows}))}
+
+
+def card_answer(rows: list, fitting: list, not_fitting: list) -> dict:
+    """{cheapest, rows, notice}: the entries that fit by price, then fewer GPUs, then model id; those
+    that do not, last by model id; the card's notice."""
+    fitting = sorted(fitting, key=lambda e: (e["total_price_cents"], e["gpus"], e["gpu"]))
+    return {"cheapest": fitting[0]["gpu"] if fitting else None,
+            "rows": fitting + sorted(not_fitting, key=lambda e: e["gpu"]),
+            "notice": NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else "")}
+
+
 def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, accepted_results=None,
                       fits=None, max_degree: int = CARD_MAX_DEGREE, card_name: str = "", trace_cache=None) -> dict:
     """For every GPU model of the card `rows`: the smallest degree that fits, its lots and price.
@@ -111,36 +185,20 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         return fits(degree, budget)
 
     def fits_once(degree, budget):
-        # Under a budget at or above the run's peak reserved with no cap, the capped allocator
-        # never reaches its cap, so it replays the same requests to the same peaks: one run with no
-        # cap per degree answers every such budget; only budgets below its peak need their own.
-        if (degree, None) not in cache:
-            cache[(degree, None)] = predict_once(degree, UNCAPPED_BUDGET_BYTES)
-        free = cache[(degree, None)]
-        if free["fits"] and free["peak_reserved_bytes"] <= budget:
-            return free
-        if (degree, budget) not in cache:
-            cache[(degree, budget)] = predict_once(degree, budget)
-        return cache[(degree, budget)]
+        return capped_where_needed(cache, predict_once, degree, budget)
 
-    models = {}
-    for row in rows:  # the card's own order; every model has a row for every duration
-        if row["duration_days"] == days:
-            models.setdefault(row["model_id"], row)
     fitting, not_fitting, unsearched = [], [], []
-    for gpu, row in models.items():
+    for gpu, row in card_models(rows, days).items():
         budget = gpu_budget_bytes(row)
         try:
             found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed
                           if fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))["fits"]), None)
         except SearchBounded:
             unsearched.append(gpu)
-            not_fitting.append({"gpu": gpu, "display_name": row["display_name"], "fits": False,
-                                "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget,
+            not_fitting.append({**card_entry(gpu, row, budget, False),
                                 "reason": "not searched: the search reached its bound (search_bound)"})
             continue
-        entry = {"gpu": gpu, "display_name": row["display_name"], "fits": found is not None,
-                 "memory_per_gpu_gb": row["memory_per_gpu_gib"], **budget}
+        entry = card_entry(gpu, row, budget, found is not None)
         if found is None:
             entry["reason"] = (f"does not fit at any allowed degree ({', '.join(map(str, allowed))})"
                                if allowed else "no allowed degree")
@@ -151,31 +209,12 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
             not_fitting.append(entry)
             continue
         degree, point = found
-        nccl, nccl_source = nccl_outside_bytes(gpu, degree)
-        rank_budget = budget["budget_bytes"] - nccl
-        lots = math.ceil(degree / row["gpus_per_lot"])
-        price = compute_forfait(rows, gpu, days, lots, accepted_results)
-        entry.update({
-            "tensor_parallel": degree, "lots": lots, "gpus_per_lot": row["gpus_per_lot"],
-            "gpus": price["gpus"], "idle_gpus": price["gpus"] - degree,
-            "peak_reserved_bytes": point["peak_reserved_bytes"],
-            "peak_allocated_bytes": point["peak_allocated_bytes"],
-            "nccl_outside_allocator_bytes": nccl, "nccl_source": nccl_source,
-            "rank_budget_bytes": rank_budget,
-            "headroom_bytes": rank_budget - point["peak_reserved_bytes"],
-            "lot_price_cents": price["lot_price_cents"], "total_price_cents": price["total_price_cents"],
-            "total_price": price["total_price"], "unit_cost_cents": price["unit_cost_cents"],
-            "unit_cost": price["unit_cost"],
-        })
-        fitting.append(entry)
-    fitting.sort(key=lambda e: (e["total_price_cents"], e["gpus"], e["gpu"]))
-    not_fitting.sort(key=lambda e: e["gpu"])
+        fitting.append(priced_entry(entry, rows, row, days, degree, point, accepted_results))
     return {
         "kind": CARD_FIT_KIND,
         "configuration": {"config_name": shape.name, "dtype": spec.dtype, "batch": spec.batch,
                           "context": spec.context, "new_tokens": spec.new_tokens},
-        "days": days, "accepted_results": accepted_results, "currency": rows[0]["currency"],
-        "rate_card": printable(card_name), "snapshot_date": ", ".join(sorted({r["snapshot_date"] for r in rows})),
+        **card_heading(rows, days, accepted_results, card_name),
         "allowed_degrees": allowed, "refused_degrees": refused,
         "degree_rule": DEGREE_RULE.format(high=max_degree), "nccl_rule": NCCL_RULE.format(nccl=MEASURED_NCCL_OUTSIDE[NCCL_REFERENCE][0]),
         "memory_rule": budget_rule_text(),
@@ -184,9 +223,7 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         "search_bound": (f"at most {MAX_FIT_DECODE_STEPS} decode steps traced in all (ranks x new tokens per "
                          f"prediction), degrees 1 to {max_degree}"
                          + (f"; the bound was reached: {', '.join(unsearched)} not searched" if unsearched else "")),
-        "cheapest": fitting[0]["gpu"] if fitting else None,
-        "rows": fitting + not_fitting,
-        "notice": NOTICE + (ILLUSTRATIVE_NOTICE if any(map(is_illustrative, rows)) else ""),
+        **card_answer(rows, fitting, not_fitting),
     }
 
 
@@ -229,6 +266,18 @@ def table_rows(result: dict) -> list:
 def format_card_fit(result: dict) -> str:
     """The result as aligned lines for people."""
     c = result["configuration"]
+    return card_fit_table(
+        result, f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, "
+                f"{c['new_tokens']} new tokens",
+        [f"Degrees: {result['degree_rule']}; allowed for this model: "
+         f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
+         *(f"  refused: {why}" for why in result["refused_degrees"].values())],
+        [f"NCCL: {result['nccl_rule']}; peak_reserved_bytes is the worst rank's."])
+
+
+def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
+    """An answer's rows as aligned lines under a title naming the `run`, then the lines `before`, the
+    order and memory rule, the lines `after`, the unit cost's rounding if asked and the notice."""
     columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget_bytes", "memory",
                "peak_reserved_bytes"]
     if result["accepted_results"] is not None:
@@ -236,18 +285,12 @@ def format_card_fit(result: dict) -> str:
     rows = table_rows(result)
     text = [[str(r[k]) if r[k] is not None else "-" for k in columns] for r in rows]
     widths = [max(len(k), *(len(t[i]) for t in text)) for i, k in enumerate(columns)]
-    lines = [f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, "
-             f"{c['new_tokens']} new tokens: {result['days']}-day forfaits of {result['rate_card']} "
-             f"(snapshot {result['snapshot_date']})",
+    lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
              "  ".join(k.ljust(w) for k, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in text]
-    lines += ["", f"Degrees: {result['degree_rule']}; allowed for this model: "
-                  f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
-              *(f"  refused: {why}" for why in result["refused_degrees"].values()),
-              f"Order: {result['order']}.",
+    lines += ["", *before, f"Order: {result['order']}.",
               f"Memory per GPU (budget_bytes): {MEASURED} = {result['memory_rule'][MEASURED]}; "
-              f"{DERIVED} = {result['memory_rule'][DERIVED]}.",
-              f"NCCL: {result['nccl_rule']}; peak_reserved_bytes is the worst rank's."]
+              f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]
     if result["accepted_results"] is not None:
         lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")
     lines.append(f"Notice: {result['notice']}")

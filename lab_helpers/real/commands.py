@@ -177,7 +177,9 @@ def add_fit_arguments(p) -> None:
     p.add_argument("--card", action="store_true",
                    help="the buyer's question: for every GPU model of the rate card, the smallest tensor-parallel "
                         "degree that fits, the lots it needs and their price for --days, sorted by price; needs "
-                        "--batch, --context and --days, not --gpu or --memory-bytes")
+                        "--batch, --context and --days, not --gpu or --memory-bytes; with --task train, whether "
+                        "one GPU of each model holds the fine-tuning run (degree 1 only: tensor-parallel "
+                        "training is out of scope)")
     p.add_argument("--days", type=whole_number(0), choices=DURATIONS_DAYS, metavar="D",
                    help=f"with --card: the forfait's duration in days, one of {', '.join(map(str, DURATIONS_DAYS))}")
     p.add_argument("--accepted-results", type=whole_number(1, MAX_ACCEPTED_RESULTS), metavar="N",

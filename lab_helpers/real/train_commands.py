@@ -121,9 +121,11 @@ def measure_train_model_command(args) -> int:
 
 def fit_train_command(args) -> int:
     """fit --task train: the budget as inference's fit takes it, then the training search."""
+    from lab_helpers.real.card_fit import check_card_flags
     from lab_helpers.real.train_fit import fit_training
     if args.card:
-        raise LabError("fit --card prices inference runs only for now; leave --card out with --task train")
+        return train_card_command(args)
+    check_card_flags(args)  # --days, --accepted-results and --tariffs only with --card
     # the search sets the sizes; a given --batch or --context is checked here first
     sizes = (args.batch or 1, args.context or 2)
     train_spec_from_args(args, "unread", sizes=sizes)
@@ -139,6 +141,18 @@ def fit_train_command(args) -> int:
         budget = usable_memory_bytes(device)
         source = f"usable memory of {device}, measured now in a fresh child process"
     _print(args, fit_training(shape, spec, budget, source, args.batch, args.context), train_fit_table)
+    return EXIT_OK
+
+
+def train_card_command(args) -> int:
+    """fit --card --task train: every GPU model of the rate card, one GPU each, priced."""
+    from lab_helpers.real.train_card import check_train_card_flags, format_train_card, train_card_fit
+    check_train_card_flags(args)
+    train_spec_from_args(args, "unread")  # every flag checked before the config is read
+    shape = load_config(args.config)
+    spec = train_spec_from_args(args, shape.name)
+    check_lora_targets(shape, spec)
+    _print(args, train_card_fit(shape, spec, args.days, args.accepted_results, args.tariffs), format_train_card)
     return EXIT_OK
 
 

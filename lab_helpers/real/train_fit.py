@@ -12,6 +12,9 @@ from lab_helpers.real.train import MAX_TRAIN_TOKENS, TrainSpec, predict_training
 # traced again with no cap for its peaks: the search is guided by the peaks of the runs that fit)
 MAX_TRAIN_FIT_PREDICTIONS = 24
 TRAIN_FIT_STEPS = 2  # the second step is the steady state: states, gradients and activations at once
+TRAIN_FIT_CRITERION = (f"{TRAIN_FIT_STEPS} optimizer steps (the second is the steady state) fit when the replayed "
+                       "allocator never needs more than the budget, after releasing its wholly free cached "
+                       "segments as PyTorch does before an out-of-memory error")
 
 
 def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_source: str,
@@ -49,9 +52,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
         "optimizer": base.optimizer, "fused": base.fused, "gradient_checkpointing": base.gradient_checkpointing,
         **({"quantize": base.quantize} if base.quantize else {}),  # --train qlora's 4-bit base
         "budget_bytes": budget_bytes, "budget_source": budget_source,
-        "criterion": (f"{TRAIN_FIT_STEPS} optimizer steps (the second is the steady state) fit when the replayed "
-                      "allocator never needs more than the budget, after releasing its wholly free cached "
-                      "segments as PyTorch does before an out-of-memory error"),
+        "criterion": TRAIN_FIT_CRITERION,
     }
     bounded = []
     if batch is not None and context is not None:

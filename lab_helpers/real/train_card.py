@@ -1,0 +1,117 @@
+"""The cheapest forfait of the rate card whose one GPU holds a fine-tuning run: the buyer's question
+for training.
+
+    python -m lab_helpers.real_model fit --card --task train --config qwen1.5-0.5b --train lora \\
+        --lora-rank 16 --batch 4 --context 1024 --days 7 [--accepted-results N] [--format table]
+
+For every GPU model of the rate card: whether two optimizer steps of the run (its --train, optimizer,
+dtype, gradient checkpointing, batch and context, as `fit --task train` predicts them) fit one GPU of
+that model, the lots one GPU needs, their price for the days asked (exact cents), the cost per accepted
+result if asked, and whether the GPU's memory figure was measured or derived, not measured: the
+columns, budget rule, prices, order and table of lab_helpers.real.card_fit, whose pieces this module
+calls. Tensor-parallel training is out of scope of the lab: every GPU model is asked at degree 1
+only, and one whose one GPU cannot hold the run is listed last as not fitting.
+"""
+from dataclasses import replace
+
+from lab_helpers.core.errors import LabError
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING
+from lab_helpers.real.budget import budget_rule_text
+from lab_helpers.real.card_fit import (UNCAPPED_BUDGET_BYTES, capped_where_needed, card_answer, card_entry,
+                                       card_fit_table, card_heading, card_models, check_card_flags, check_request,
+                                       gpu_budget_bytes, priced_entry, read_card)
+from lab_helpers.real.config import ModelShape
+from lab_helpers.real.train import TrainSpec, predict_training_model
+from lab_helpers.real.train_fit import TRAIN_FIT_CRITERION, TRAIN_FIT_STEPS
+
+TRAIN_CARD_KIND = "iteragpu-lab cheapest forfait, fine-tuning"
+TRAIN_CARD_DEGREE = 1
+TRAIN_DEGREE_RULE = ("degree 1 only: tensor-parallel training is out of scope, so each GPU model is asked "
+                     "whether one GPU holds the run; lots = ceil(1 / GPUs per lot) = 1")
+TRAIN_ORDER = ("by total price, then fewer GPUs rented, then model id; GPU models whose one GPU cannot hold "
+               "the run last, by model id")
+NOT_ON_ONE_GPU = "does not fit one GPU (degree 1 only: tensor-parallel training is out of scope)"
+
+
+def training_fits(shape: ModelShape, spec: TrainSpec):
+    """fits(degree, budget) for capped_where_needed: `spec` predicted on one GPU, with no cap at
+    UNCAPPED_BUDGET_BYTES, else under the replayed allocator capped at `budget`:
+    {fits, peak_reserved_bytes, peak_allocated_bytes} or {fits: False, reason}."""
+    from lab_helpers.real.tracer import OutOfMemory
+
+    def fits(degree, budget):
+        if degree != TRAIN_CARD_DEGREE:
+            raise LabError("tensor-parallel training is out of scope: one GPU only")
+        try:
+            overall = predict_training_model(shape, spec, None if budget == UNCAPPED_BUDGET_BYTES else budget)
+        except OutOfMemory as exc:
+            where = exc.phase if exc.index is None else f"{exc.phase} #{exc.index}"
+            return {"fits": False, "reason": f"out of memory in {where}: {exc}"}
+        return {"fits": True, **overall["overall"]}
+    return fits
+
+
+def training_configuration(shape: ModelShape, spec: TrainSpec) -> dict:
+    """The run an answer prices, as its JSON names it (TrainSpec.record less the device and seed)."""
+    record = spec.record()
+    return {"config_name": shape.name,
+            **{key: value for key, value in record.items() if key not in ("kind", "config_name", "device", "seed")}}
+
+
+def cheapest_training_forfaits(shape: ModelShape, spec: TrainSpec, days: int, rows: list, accepted_results=None,
+                               fits=None, card_name: str = "") -> dict:
+    """For every GPU model of the card `rows`: does `spec` (TRAIN_FIT_STEPS optimizer steps) fit one
+    GPU of it, and if so the lot and its price.
+
+    `fits(degree, budget) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}` (or with
+    "reason" when it does not fit) defaults to training_fits; through capped_where_needed it runs once
+    with no cap, then once more per budget below that run's peak reserved."""
+    check_request(days, accepted_results)
+    spec = replace(spec, steps=TRAIN_FIT_STEPS)
+    fits = training_fits(shape, spec) if fits is None else fits
+    cache, fitting, not_fitting = {}, [], []
+    for gpu, row in card_models(rows, days).items():
+        budget = gpu_budget_bytes(row)
+        point = capped_where_needed(cache, fits, TRAIN_CARD_DEGREE, budget["budget_bytes"])
+        entry = card_entry(gpu, row, budget, point["fits"])
+        if point["fits"]:
+            fitting.append(priced_entry(entry, rows, row, days, TRAIN_CARD_DEGREE, point, accepted_results))
+        else:
+            entry["reason"] = f"{NOT_ON_ONE_GPU}; {point['reason']}"
+            not_fitting.append(entry)
+    return {
+        "kind": TRAIN_CARD_KIND,
+        "configuration": training_configuration(shape, spec),
+        **card_heading(rows, days, accepted_results, card_name),
+        "allowed_degrees": [TRAIN_CARD_DEGREE], "degree_rule": TRAIN_DEGREE_RULE,
+        "memory_rule": budget_rule_text(),
+        "criterion": TRAIN_FIT_CRITERION, "order": TRAIN_ORDER, "unit_cost_rounding": UNIT_COST_ROUNDING,
+        "predictions_run": len(cache),
+        **card_answer(rows, fitting, not_fitting),
+    }
+
+
+def train_card_fit(shape: ModelShape, spec: TrainSpec, days: int, accepted_results=None, tariffs=None) -> dict:
+    """cheapest_training_forfaits on the rate card file `tariffs` (default: the lab's card)."""
+    check_request(days, accepted_results)
+    rows, shown = read_card(tariffs)
+    return cheapest_training_forfaits(shape, spec, days, rows, accepted_results, card_name=shown)
+
+
+def format_train_card(result: dict) -> str:
+    """The result as aligned lines for people (card_fit's table)."""
+    c = result["configuration"]
+    what = f"{c['train']} fine-tuning" + (f" on the {c['quantize']} base" if "quantize" in c else "")
+    run = (f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, {what}, "
+           f"{c['optimizer']}" + (" fused" if c["fused"] else "")
+           + (", gradient checkpointing" if c["gradient_checkpointing"] else ""))
+    return card_fit_table(result, run, [f"Degrees: {result['degree_rule']}."],
+                          [f"Fits: {result['criterion']}."])
+
+
+def check_train_card_flags(args) -> None:
+    """Raise LabError when fit --card --task train's flags cannot be answered (before the config is read)."""
+    if getattr(args, "tensor_parallel", 1) != 1:
+        raise LabError("tensor-parallel training is out of scope: fit --card --task train asks one GPU of each "
+                       "model; leave out --tensor-parallel")
+    check_card_flags(args)
