@@ -69,7 +69,7 @@ def fake_process_group(rank: int, world_size: int):
 def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=None,
                   tensor_parallel: "int | None" = None, allocator: "AllocatorSettings | None" = None,
                   phase_budget=None, budget_source=None, report_out_of_memory: bool = False,
-                  trace_cache=None, expand_decode_steps: bool = True) -> dict:
+                  trace_cache=None, expand_decode_steps: bool = True, expand_layers: "bool | None" = None) -> dict:
     """Predict allocated and reserved bytes of every phase: the run traced on the meta device (or its
     trace read from `trace_cache`, default the user's cache folder), replayed through the allocator model.
 
@@ -87,7 +87,9 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     then, the budget). `budget_source` says where the budget came from, in the document.
     `allocator`: the allocator settings replayed (default: `loaded`'s, else PyTorch's defaults).
     `expand_decode_steps` False traces every decode step (the exact slow path that the extension of
-    decode steps from traced ones is checked against, tests/test_replay.py)."""
+    decode steps from traced ones is checked against, tests/test_replay.py), and traces every layer;
+    `expand_layers` False alone traces every layer (a run expanded from a few traced layers is checked
+    against it, tests/test_layer_expansion.py)."""
     from lab_helpers.real.trace_cache import default_cache
     from lab_helpers.real.traces import ModelNeeded, TraceSession
     if allocator is None:
@@ -101,12 +103,12 @@ def predict_model(shape: ModelShape, spec: RunSpec, capacity_bytes=None, loaded=
     if loaded is not None and (loaded["dtype"], loaded["tensor_parallel"]) == (spec.dtype, degree):
         one = _predict_rank(shape, spec, capacity_bytes, loaded["session"], loaded["mesh"], **options)
     elif degree == 1:
-        session = TraceSession(shape, spec.dtype, 1, 0, cache, expand_decode_steps)
+        session = TraceSession(shape, spec.dtype, 1, 0, cache, expand_decode_steps, expand_layers)
         one = _predict_rank(shape, spec, capacity_bytes, session, **options)
     else:
         ranks = []
         for rank in range(degree):
-            session = TraceSession(shape, spec.dtype, degree, rank, cache, expand_decode_steps)
+            session = TraceSession(shape, spec.dtype, degree, rank, cache, expand_decode_steps, expand_layers)
             try:
                 one = _predict_rank(shape, spec, capacity_bytes, session, rank=rank, **options)
             except ModelNeeded:  # a trace is missing: the rank's model is built in its process group

@@ -368,16 +368,16 @@ def trace_load(shape, dtype: str, tensor_parallel: int, mesh) -> tuple:
     return LoadTrace(recorder.take(), weights, recorder.requests), state["model"], recorder
 
 
-def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int) -> RunTrace:
+def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int, recorder=None) -> RunTrace:
     """The phases after the load of `spec` (its first `decode_steps` decode steps) traced on `model`,
-    the meta model of `load`."""
+    the meta model of `load` (into `recorder`, a fresh RequestRecorder, where one is given)."""
     from dataclasses import replace
 
     import torch
 
     from lab_helpers.real.protocol import run_protocol
     from lab_helpers.real.tracer import AllocationTracer
-    recorder = RequestRecorder()
+    recorder = recorder if recorder is not None else RequestRecorder()
     recorder.requests = load.requests
     tracer = AllocationTracer(recorder)
     from lab_helpers.real.progress import progress_bar

@@ -3,7 +3,11 @@ load, and each (batch, context)'s phases; the meta model is built only when a tr
 
 Where the run's decode steps repeat (lab_helpers.real.replay.decode_expandable), a run of N new tokens
 is traced for TRACED_DECODE_STEPS steps and extended (expand_decode); where the traced steps do not
-repeat, all N steps are traced."""
+repeat, all N steps are traced.
+
+Where every decoder layer is the same (lab_helpers.real.layers), a run is traced on two models of the
+same config with a few layers and expanded to the model's depth, checked exactly; else it is traced on
+the full model."""
 from lab_helpers.real.replay import (decode_expandable, decode_workspace_affine, default_allocator, expand_decode,
                                      replay_rank, trace_load, trace_run, traced_decode_steps)
 from lab_helpers.real.trace_cache import TraceCache, base_key
@@ -17,13 +21,17 @@ class TraceSession:
     """Traces of one model, dtype, degree and rank."""
 
     def __init__(self, shape, dtype: str, tensor_parallel: int = 1, rank: int = 0, cache: "TraceCache | None" = None,
-                 expand: bool = True):
+                 expand: bool = True, expand_layers: "bool | None" = None):
         self.shape, self.dtype, self.tensor_parallel, self.rank = shape, dtype, tensor_parallel, rank
         self.cache = cache if cache is not None else TraceCache(None)
         self.expand = expand
+        # runs expanded from a few traced layers (lab_helpers.real.layers); by default as `expand`
+        self.expand_layers = expand if expand_layers is None else expand_layers
+        self._layers = None  # the LayerExpansion, False where the model's layers refuse it
         self.key = base_key(shape, dtype, tensor_parallel, rank)
         self.model = self.mesh = self._load = None
         self.traced = []  # (batch, context, decode steps) of the runs traced here, not found in the cache
+        self.layer_expanded = []  # those of them expanded from a few traced layers
 
     def _build(self, mesh) -> None:
         if self.tensor_parallel > 1 and mesh is None:
@@ -45,15 +53,32 @@ class TraceSession:
         found = self.cache.get(key)
         if found is not None:
             return found
-        if self.model is None:
-            self._build(mesh)
         from lab_helpers.real.spec import RunSpec
         spec = RunSpec(self.shape.name, dtype=self.dtype, batch=batch, context=context, new_tokens=steps,
                        tensor_parallel=self.tensor_parallel)
-        trace = trace_run(self.shape, spec, self.model, self._load, self.mesh, steps)
+        trace = self._layered_run(spec, steps, mesh) if self.expand_layers else None
+        if trace is None:
+            if self.model is None:
+                self._build(mesh)
+            trace = trace_run(self.shape, spec, self.model, self._load, self.mesh, steps)
+        else:
+            self.layer_expanded.append((batch, context, steps))
         self.traced.append((batch, context, steps))
         self.cache.put(key, trace)
         return trace
+
+    def _layered_run(self, spec, steps: int, mesh):
+        """The run expanded from a few traced layers (lab_helpers.real.layers), or None where the model
+        or the run refuses it."""
+        from lab_helpers.real.layers import LayerExpansion
+        if self._layers is None:
+            if self.tensor_parallel > 1 and mesh is None:
+                raise ModelNeeded
+            self._layers = LayerExpansion.prepare(self.shape, self.dtype, self.tensor_parallel, mesh,
+                                                  self.model) or False
+        if self._layers is False:
+            return None
+        return self._layers.run(spec, self._load, steps)
 
     def run(self, batch: int, context: int, new_tokens: int, mesh=None):
         """The RunTrace of `new_tokens` decode steps at (batch, context): extended from traced steps where

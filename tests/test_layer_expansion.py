@@ -1,0 +1,197 @@
+"""A run traced on a few layers and expanded to the model's depth (lab_helpers.real.layers) equals the
+run traced on every layer, request for request, on every family of data/models whose layers are all the
+same (odd sizes, several sizes and decode steps, tensor parallel 1 and 2), and predicts the same
+documents; a model whose layers differ, or a run whose check fails, is traced whole."""
+import json
+from contextlib import nullcontext
+
+import pytest
+
+from lab_helpers.real import layers as layer_module
+from lab_helpers.real.config import parse_config
+from lab_helpers.real.layers import Split, TEMPLATE_LAYERS, NotExpandable, uniform_layers, well_formed
+from lab_helpers.real.predict import fake_process_group, predict_model
+from lab_helpers.real.protocol import transformers_config
+from lab_helpers.real.replay import RunTrace
+from lab_helpers.real.spec import RunSpec
+from lab_helpers.real.trace_cache import TraceCache
+from lab_helpers.real.traces import TraceSession
+from test_replay import reduced
+
+MIB = 2**20
+
+
+def shape_of(name: str, layers: int = 9, **changes):
+    return parse_config(reduced(name, layers=layers, **changes), f"{name}/{layers}")
+
+
+def _guard(shape) -> bool:
+    config = transformers_config(shape)
+    return uniform_layers(shape, config, layer_module.plain_meta_model(config))
+
+
+def _runs(shape, dtype, degree, batch, context, steps):
+    """(expanded sessions' runs, full sessions' runs, the expanded sessions) of every rank: every decode
+    step traced (expand=False), layers expanded or not."""
+    fast_runs, full_runs, sessions = [], [], []
+    for rank in range(degree):
+        with fake_process_group(rank, degree) if degree > 1 else nullcontext() as mesh:
+            fast = TraceSession(shape, dtype, degree, rank, TraceCache(None), expand=False, expand_layers=True)
+            full = TraceSession(shape, dtype, degree, rank, TraceCache(None), expand=False, expand_layers=False)
+            fast_runs.append(fast.run(batch, context, steps, mesh))
+            full_runs.append(full.run(batch, context, steps, mesh))
+            assert fast.load().events == full.load().events
+            sessions.append(fast)
+    return fast_runs, full_runs, sessions
+
+
+# (config of data/models, layers, changes, dtype, batch, context, decode steps, tensor parallel): every
+# family whose layers pass the guard; odd layer counts, batches, contexts and vocabularies
+CASES = [
+    ("llama-3.1-8b", 9, {"vocab_size": 1001}, "bfloat16", 3, 37, 3, 1),
+    ("llama-3.1-70b", 11, {"vocab_size": 1002}, "float16", 1, 129, 2, 2),
+    ("mistral-7b-v0.1", 8, {"sliding_window": 64, "vocab_size": 777}, "bfloat16", 2, 70, 3, 1),
+    ("qwen2.5-7b", 9, {}, "bfloat16", 2, 33, 2, 2),
+    ("qwen1.5-0.5b", 10, {"vocab_size": 1517}, "float32", 5, 19, 3, 1),
+    ("qwen3-8b", 8, {"vocab_size": 1000}, "bfloat16", 1, 255, 4, 1),
+    ("qwen3-30b-a3b", 8, {"vocab_size": 1006}, "bfloat16", 2, 23, 2, 2),
+    ("qwen1.5-moe-a2.7b", 8, {"vocab_size": 1000}, "bfloat16", 3, 17, 2, 1),
+    ("mixtral-8x7b", 9, {"vocab_size": 1000}, "bfloat16", 1, 45, 3, 1),
+    ("olmo-2-7b", 8, {}, "bfloat16", 2, 31, 2, 1),
+    ("gpt2", 9, {"vocab_size": 1003}, "bfloat16", 3, 101, 3, 1),
+    ("pythia-1.4b", 8, {"vocab_size": 1001}, "float32", 2, 61, 2, 1),
+    ("phi-3-mini-4k", 9, {}, "bfloat16", 1, 2051, 2, 1),
+    ("gemma-2-2b", 8, {"layer_types": ["sliding_attention"] * 8, "sliding_window": 16, "vocab_size": 1000},
+     "bfloat16", 2, 30, 3, 1),
+    ("gemma-3-4b-text", 9, {"layer_types": ["full_attention"] * 9, "vocab_size": 1000}, "bfloat16", 2, 9, 3, 1),
+]
+
+
+@pytest.mark.parametrize("name, layers, changes, dtype, batch, context, steps, degree", CASES,
+                         ids=[f"{c[0]}/{c[1]}-tp{c[7]}" for c in CASES])
+def test_an_expanded_run_equals_the_run_traced_on_every_layer(name, layers, changes, dtype, batch, context, steps,
+                                                             degree):
+    shape = shape_of(name, layers, **changes)
+    assert _guard(shape)
+    fast_runs, full_runs, sessions = _runs(shape, dtype, degree, batch, context, steps)
+    for fast, full, session in zip(fast_runs, full_runs, sessions):
+        assert session.layer_expanded == [(batch, context, steps)]  # expanded, not traced whole
+        assert fast.phases == full.phases  # the same requests and releases, the same ids, in the same order
+        assert fast.persistent == full.persistent and fast.decode_steps == full.decode_steps
+
+
+# (config, layers, changes, batch, context, new tokens, tensor parallel): predictions with the decode steps
+# extended (the default path) and layers expanded or traced whole
+DOCUMENT_CASES = [
+    ("llama-3.1-8b", 9, {"vocab_size": 1000}, 2, 129, 9, 2),
+    ("qwen3-30b-a3b", 8, {"vocab_size": 1000}, 1, 33, 8, 1),
+    ("gpt2", 8, {}, 3, 41, 7, 1),
+    ("mistral-7b-v0.1", 9, {"sliding_window": 64, "vocab_size": 1000}, 2, 27, 9, 1),
+]
+
+
+def _document(shape, spec, cache, expand_layers, budget=None):
+    return json.dumps(predict_model(shape, spec, capacity_bytes=budget, report_out_of_memory=True, trace_cache=cache,
+                                    expand_layers=expand_layers), sort_keys=True)
+
+
+@pytest.mark.parametrize("name, layers, changes, batch, context, new_tokens, degree", DOCUMENT_CASES)
+def test_predictions_from_expanded_runs_equal_the_full_traces(name, layers, changes, batch, context, new_tokens,
+                                                            degree):
+    """The prediction documents, unbounded and under a budget just under the peak (release-and-retry, then
+    out of memory in the same phase), byte for byte."""
+    shape = shape_of(name, layers, **changes)
+    spec = RunSpec(shape.name, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=3,
+                   tensor_parallel=degree)
+    fast, full = TraceCache(None), TraceCache(None)
+    free = _document(shape, spec, full, False)
+    assert _document(shape, spec, fast, True) == free
+    peak = json.loads(free)["overall"]["peak_reserved_bytes"]
+    for budget in (peak, peak - 2 * MIB, peak - 20 * MIB):
+        assert _document(shape, spec, fast, True, budget) == _document(shape, spec, full, False, budget)
+    runs = [key for key, t in fast.memory.items() if isinstance(t, RunTrace)]
+    assert runs and fast.memory.keys() == full.memory.keys()  # the same keys: an expanded trace is a full one
+
+
+# ------------------------------------------------------------------ what is not expanded
+REFUSED = {
+    # gemma3's sliding and full layers (a pattern of the config class)
+    "gemma3-pattern": ("gemma-3-4b-text", 9, {"layer_types": None, "sliding_window_pattern": 3,
+                                              "vocab_size": 1000}),
+    "gemma2-alternating": ("gemma-2-2b", 8, {"layer_types": None, "vocab_size": 1000}),
+    # qwen2's sliding window from layer max_window_layers on
+    "qwen2-max-window-layers": ("qwen2.5-7b", 9, {"use_sliding_window": True, "sliding_window": 64,
+                                                  "max_window_layers": 4, "layer_types": None}),
+    # mixtures of experts with dense layers
+    "qwen2-moe-mlp-only-layers": ("qwen1.5-moe-a2.7b", 8, {"mlp_only_layers": [0], "vocab_size": 1000}),
+    "qwen2-moe-sparse-step": ("qwen1.5-moe-a2.7b", 8, {"decoder_sparse_step": 2, "vocab_size": 1000}),
+    "qwen3-moe-mlp-only-layers": ("qwen3-30b-a3b", 8, {"mlp_only_layers": [7], "vocab_size": 1000}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_layers_that_differ_fail_the_guard_and_are_traced_whole(case):
+    name, layers, changes = REFUSED[case]
+    raw = reduced(name, layers=layers, **changes)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    shape = parse_config(raw, case)
+    assert not _guard(shape)
+    fast_runs, full_runs, sessions = _runs(shape, "bfloat16", 1, 2, 21, 2)
+    assert sessions[0].layer_expanded == [] and sessions[0]._layers is False
+    assert fast_runs[0].phases == full_runs[0].phases
+
+
+def test_a_model_of_few_layers_is_traced_whole():
+    shape = shape_of("llama-3.1-8b", TEMPLATE_LAYERS + 1, vocab_size=1000)
+    assert _guard(shape)
+    fast_runs, full_runs, sessions = _runs(shape, "bfloat16", 1, 1, 16, 2)
+    assert sessions[0].layer_expanded == [] and fast_runs[0].phases == full_runs[0].phases
+
+
+def test_an_expansion_that_does_not_match_the_larger_trace_is_traced_whole(monkeypatch):
+    """The check: the smaller trace expanded by one layer must equal the larger one; when it does not
+    (here: the expansion made wrong on purpose) the run is traced on every layer."""
+    original = Split.expand
+
+    def wrong(self, m, layers, base):
+        trace = original(self, m, layers, base)
+        name, index, pre, own = trace.phases[-1]
+        trace.phases[-1] = (name, index, pre, [own[0] + 512, *own[1:]])
+        return trace
+
+    monkeypatch.setattr(Split, "expand", wrong)
+    shape = shape_of("llama-3.1-8b", 9, vocab_size=1000)
+    fast_runs, full_runs, sessions = _runs(shape, "bfloat16", 1, 2, 21, 2)
+    assert sessions[0].layer_expanded == [] and sessions[0].traced == [(2, 21, 2)]
+    assert fast_runs[0].phases == full_runs[0].phases
+
+
+def _marked(events_by_phase):
+    """A RunTrace and its marks: each phase (head, [layer events], tail)."""
+    phases, marks = [("inputs", None, [], [64])], {}
+    for p, (head, layers, tail) in enumerate(events_by_phase, start=1):
+        own, found = list(head), []
+        for i, events in enumerate(layers):
+            found.append(("start", i, len(own)))
+            own += events
+        found.append(("end", len(layers) - 1, len(own)))
+        own += tail
+        phases.append(("prefill" if p == 1 else "decode", None if p == 1 else p - 2, [], own))
+        marks[p] = found
+    return RunTrace(phases, [], len(events_by_phase) - 1), marks
+
+
+def test_a_run_that_releases_a_weight_is_not_expanded():
+    base = 10  # requests of the load: ids 0 to 9
+    trace, marks = _marked([([100], [[200, ~11], [200, ~12]], [~10, ~13])])
+    assert well_formed(Split(trace, marks, 2, base).expand(1, 4, base), base)
+    trace, marks = _marked([([100], [[200, ~3], [200, ~12]], [~10, ~11, ~13])])  # ~3: a weight
+    with pytest.raises(NotExpandable):
+        Split(trace, marks, 2, base)
+
+
+def test_a_layer_called_out_of_order_is_not_expanded():
+    trace, marks = _marked([([100], [[200], [200]], [])])
+    marks[1][0], marks[1][1] = marks[1][1], marks[1][0]
+    with pytest.raises(NotExpandable):
+        Split(trace, marks, 2, 10)
