@@ -2,7 +2,7 @@
 kept) and warm (the same question again, its traces read from the cache folder).
 
     python benchmarks/fast_answers.py [--cases predict-70b,card-8b,fit-70b] [--repeats 1] [--check-exact]
-        [--repository PATH]
+        [--repository PATH] [--bytecode kept|none]
 
 Each figure is a fresh process (`python -m lab_helpers.real_model ...`) with its own empty cache
 folder (XDG_CACHE_HOME) for the cold run, kept for the warm one; beside it the median of
@@ -12,7 +12,15 @@ too, with the machine's load (os.getloadavg) before and after, and the CPU secon
 their ratio to the import's CPU seconds (on a machine shared with other work, the steadier figure). --repository runs the commands of
 another checkout (an older version, for a before/after). --check-exact replays each case's fast
 trace (decode steps extended from four traced ones) and its full trace (every step traced) in this
-process and checks the predictions are byte-identical (long: the full trace runs every step on meta).
+process and checks the predictions are byte-identical (long: the full trace runs every step on meta;
+tests/test_fast_answers.py runs the same check in CI on each case cut to 8 new tokens).
+
+Bytecode: where Python may write it, a module is compiled on its first import only; where
+PYTHONDONTWRITEBYTECODE is set (as on some CI machines, or a venv installed with --no-compile and no
+write access), every process compiles torch and transformers again, several seconds of CPU each, on
+both sides of every ratio. --bytecode kept (the default) gives every child one temporary
+PYTHONPYCACHEPREFIX and runs the import and each case's command once, untimed, before measuring: the
+figures are those of an installation that has run once. --bytecode none leaves the environment as it is.
 Prints one JSON object; not a test.
 """
 import json
@@ -48,8 +56,11 @@ def timed(argv: list, env: dict, repository: Path) -> tuple:
     """(wall seconds, child CPU seconds, child peak RSS in KiB) of a fresh Python process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
+    environment = {**os.environ, **env, "PYTHONPATH": str(repository)}
+    if "PYTHONPYCACHEPREFIX" in env:  # --bytecode kept: written there, whatever the environment says
+        environment.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.run([sys.executable, *argv], cwd=repository, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, env={**os.environ, **env, "PYTHONPATH": str(repository)})
+                          stdin=subprocess.DEVNULL, env=environment)
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -59,14 +70,16 @@ def timed(argv: list, env: dict, repository: Path) -> tuple:
     return seconds, cpu, after.ru_maxrss
 
 
-def exact(case: tuple) -> dict:
-    """Each prediction of a case through the fast path and with every decode step traced, unbounded and
-    under a budget just under its peak (release-and-retry, then out of memory): identical documents?"""
+def exact(case: tuple, new_tokens: "int | None" = None) -> dict:
+    """Each prediction of a case through the fast path and with every decode step and every layer
+    traced, unbounded and under a budget just under its peak (release-and-retry, then out of memory):
+    identical documents? `new_tokens` replaces the case's (a shorter full trace)."""
     from lab_helpers.real.config import load_config
     from lab_helpers.real.predict import predict_model
     from lab_helpers.real.spec import RunSpec
     from lab_helpers.real.trace_cache import TraceCache
-    name, batch, context, new_tokens, degrees = case
+    name, batch, context, case_tokens, degrees = case
+    new_tokens = new_tokens or case_tokens
     shape, out = load_config(name), {}
     for degree in degrees:
         spec = RunSpec(name, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=new_tokens,
@@ -90,14 +103,29 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=whole_number(1, 20), default=1, help="runs of each side (default 1)")
     parser.add_argument("--check-exact", action="store_true", help="also check the fast trace against the full one")
     parser.add_argument("--repository", default=str(ROOT), help="the checkout whose commands run (default this one)")
+    parser.add_argument("--bytecode", choices=("kept", "none"), default="kept",
+                        help="kept: one bytecode folder for every child, filled by an untimed run of each command "
+                             "first (an installation that has run once); none: the environment as it is")
     args = parser.parse_args(argv)
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case {unknown[0]!r}; valid: {', '.join(CASES)}")
     repository = Path(args.repository)
-    report = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}, "cases": {}}
-    imports = [timed(IMPORT_ONLY, {}, repository) for _ in range(max(3, args.repeats))]
+    with tempfile.TemporaryDirectory(prefix="fast-answers-bytecode-") as bytecode:
+        return measure(args, names, repository, {"PYTHONPYCACHEPREFIX": bytecode} if args.bytecode == "kept" else {})
+
+
+def measure(args, names: list, repository: Path, base: dict) -> int:
+    report = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}, "bytecode": args.bytecode,
+              "cases": {}}
+    if base:  # compiled once, untimed: the import, then each case's command on a throw-away cache
+        timed(IMPORT_ONLY, base, repository)
+        for name in names:
+            with tempfile.TemporaryDirectory(prefix="fast-answers-") as folder:
+                timed(["-m", "lab_helpers.real_model", *CASES[name][0]], {**base, "XDG_CACHE_HOME": folder},
+                      repository)
+    imports = [timed(IMPORT_ONLY, base, repository) for _ in range(max(3, args.repeats))]
     import_seconds = statistics.median(m[0] for m in imports)
     import_cpu = statistics.median(m[1] for m in imports)
     report["import_torch_transformers_seconds"] = round(import_seconds, 3)
@@ -107,8 +135,8 @@ def main(argv=None) -> int:
         runs = {"cold": [], "warm": []}
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory(prefix="fast-answers-") as folder:
-                runs["cold"].append(timed(command, {"XDG_CACHE_HOME": folder}, repository))
-                runs["warm"].append(timed(command, {"XDG_CACHE_HOME": folder}, repository))
+                runs["cold"].append(timed(command, {**base, "XDG_CACHE_HOME": folder}, repository))
+                runs["warm"].append(timed(command, {**base, "XDG_CACHE_HOME": folder}, repository))
         entry = {}
         for kind, measured in runs.items():
             seconds = statistics.median(m[0] for m in measured)
