@@ -43,6 +43,16 @@ POINTS = [("qwen1.5-0.5b", 2, 1000, 16, 1, None), ("llama-3.1-8b", 1, 2048, 12, 
           ("qwen1.5-0.5b", 1, 32760, 8, 1, None)]  # long: cuDNN's split-KV decode (not modelled) beside the extension
 
 
+def report(row: dict) -> None:
+    """Every record's differences (measured - predicted), appended to fast-path.jsonl in
+    ITERAGPU_REPORT_DIR when it is set: the validation records list them."""
+    folder = os.environ.get("ITERAGPU_REPORT_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(folder) / "fast-path.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"device": TEST_DEVICE, **row}) + "\n")
+
+
 @pytest.mark.parametrize("config,batch,context,new_tokens,every,conf", POINTS)
 def test_the_fast_path_matches_the_measurement_and_the_full_trace(tmp_path, config, batch, context, new_tokens,
                                                                   every, conf):
@@ -59,6 +69,9 @@ def test_the_fast_path_matches_the_measurement_and_the_full_trace(tmp_path, conf
     assert result["outcomes_agree"], result["budget"]
     for row in result["rows"]:
         where = f"{row['phase']} {row['index']}"
+        report({"config": config, "batch": batch, "context": context, "new_tokens": new_tokens, "conf": conf,
+                "phase": row["phase"], "index": row["index"],
+                **{key: value for key, value in row.items() if key.startswith("difference_")}})
         for key in ("baseline_allocated_bytes", "end_allocated_bytes"):
             assert row[f"difference_{key}"] == 0, (where, key, row)
         peak = row["measured_peak_allocated_bytes"]
