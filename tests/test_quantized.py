@@ -331,3 +331,16 @@ def test_the_traced_empty_cache_gives_back_wholly_free_segments_only():
     del kept
     tracer.empty_cache()
     assert (alloc.allocated, alloc.reserved) == (0, 0)
+
+
+def test_importing_peft_or_bitsandbytes_prints_nothing():
+    """bitsandbytes' CPU backend warns, on a CPU with AVX512-BF16, of an optional kernel package the lab
+    never uses (it runs bitsandbytes on meta and CUDA only): a fresh process importing them through the
+    lab prints nothing."""
+    import subprocess
+    import sys
+    code = ("from lab_helpers.real.train import import_peft; import_peft(); "
+            "from lab_helpers.real.quantized import _import_bitsandbytes; _import_bitsandbytes()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and proc.stdout == ""

@@ -15,6 +15,7 @@ The warmup's size is modelled for a fresh process whose weights fit the card les
 (transformers caps the block there); 8-bit weights (LLM.int8()) are not modelled: their outlier
 columns are found from the values, so their bytes depend on the data."""
 import contextlib
+import logging
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.measurement.schema import QUANTIZE_KINDS
@@ -44,7 +45,19 @@ def bitsandbytes_config(kind: str, dtype: str):
                               bnb_4bit_compute_dtype=getattr(torch, dtype))
 
 
+# On a CPU with AVX512-BF16, bitsandbytes' CPU backend logs, as it is imported (peft imports it too),
+# that an optional package of CPU kernels is missing. The lab never runs bitsandbytes on the CPU (meta
+# there, CUDA on a GPU), so that line would only alarm: its logger keeps errors only.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def quiet_bitsandbytes_cpu_notice() -> None:
+    """Before bitsandbytes is first imported: its CPU backend's warnings are not printed."""
+    logging.getLogger(BITSANDBYTES_CPU_LOGGER).setLevel(logging.ERROR)
+
+
 def _import_bitsandbytes():
+    quiet_bitsandbytes_cpu_notice()
     try:
         import bitsandbytes
     except ModuleNotFoundError:

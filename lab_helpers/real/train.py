@@ -17,7 +17,7 @@ from lab_helpers.measurement.protocol import run_phase
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
 from lab_helpers.real.config import ModelShape, parse_config
 from lab_helpers.real.protocol import check_cuda, run_protocol
-from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization
+from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization, quiet_bitsandbytes_cpu_notice
 from lab_helpers.real.spec import COUNTER_KEYS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, RunSpec, model_description
 
 TRAIN_MODES = ("full", "lora", "qlora")
@@ -196,6 +196,7 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase, emp
 
 
 def import_peft(mode: str = "lora"):
+    quiet_bitsandbytes_cpu_notice()  # peft imports bitsandbytes where it is installed
     try:
         import peft
     except ModuleNotFoundError as exc:
@@ -262,6 +263,7 @@ def check_lora_targets(shape: ModelShape, spec: TrainSpec) -> None:
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
     linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     if spec.lora_targets is None:
+        import_peft()
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
         defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(shape.model_type)
         if not defaults:
