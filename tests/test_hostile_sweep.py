@@ -7,6 +7,7 @@ import _thread
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -291,10 +292,16 @@ def test_interrupting_the_sweep_kills_the_running_point_and_keeps_no_file(tmp_pa
             time.sleep(0.05)
         _thread.interrupt_main()
 
-    threading.Thread(target=interrupt_once_the_point_runs, daemon=True).start()
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        sweep.run_sweep("batch", out, values=[1], measure_command=program.command, progress=False)
+    # a process started in the background by a shell without job control (nohup ... &) inherits SIGINT
+    # ignored, and then interrupt_main does nothing: the test sets Python's own handler, as a kernel has it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_the_point_runs, daemon=True).start()
+        out = tmp_path / "out"
+        with pytest.raises(KeyboardInterrupt):
+            sweep.run_sweep("batch", out, values=[1], measure_command=program.command, progress=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = int(program.pidfile.read_text())
     deadline = time.monotonic() + 10
     while not process_gone(pid) and time.monotonic() < deadline:
