@@ -7,11 +7,12 @@ larger batch or context never fits where a smaller one does not) that is the lar
 the answer of a search that tries every size from 1 up. It is not always: the allocator's segments can
 make a context fit where a smaller one does not (tests/test_search.py pins such cases), and then the
 answer is one of the boundaries, near the caller's own point when it gives one, not necessarily the
-largest. Only the order of the probes is
-chosen, and it is chosen from the probes' peak reserved bytes: a run's peak grows almost affinely with
-its batch and context (weights fixed, activations and key/value cache proportional), so the size
+largest.
+
+Only the order of the probes is chosen, from the probes' peaks: a run's peak grows almost affinely
+with its batch and context (weights fixed, activations and key/value cache proportional), so the size
 where the peak meets the budget is interpolated from the probes nearest to it (regula falsi, in
-integers), and a step that does not halve the bracket is followed by a bisection, so no search takes
+integers), and a round that does not halve the bracket is followed by a bisection: no search takes
 more than about twice the probes of a bisection, and most take a few.
 """
 from dataclasses import dataclass
