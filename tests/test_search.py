@@ -144,7 +144,7 @@ def _document(shape, new_tokens, batch, context, degree, budget, monkeypatch, se
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_fit_finds_a_boundary_and_the_galloping_searchs_where_fitting_is_monotone(case, monkeypatch):
+def test_fit_finds_a_boundary_and_agrees_with_the_galloping_search_where_fitting_is_monotone(case, monkeypatch):
     from lab_helpers.real.predict import predict_model
     from lab_helpers.real.spec import RunSpec
     name, new_tokens, batch, context, degree, slack = CASES[case]
