@@ -231,12 +231,9 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
                      found.get("peak_allocated_bytes", found.get("uncapped_peak_allocated_bytes")))
 
     def ceiling(high, holds):
-        """The largest v in [0, high] where holds(v) (monotone: weights and cache grow with v)."""
-        low, top = 0, high + 1
-        while top - low > 1:
-            middle = (low + top) // 2
-            low, top = (middle, top) if holds(middle) else (low, middle)
-        return low
+        """The largest v in [0, high] where holds(v) (monotone: weights and cache grow with v), by the
+        same search, with no prediction."""
+        return largest_fitting(lambda v: Probe(holds(v)), high, budget_bytes)[0]
 
     result = {
         "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
