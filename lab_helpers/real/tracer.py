@@ -104,6 +104,122 @@ def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: in
     return accumulator_bytes * outputs * ctas, 4 * grid_x
 
 
+CUB_SCAN_TEMPORARY_BYTES = 1279
+
+
+def reduction_staging_bytes(shape, strides, reduced, element_bytes: int, accumulator_bytes: int,
+                            behaviour: CudaBehaviour, input_vector: int = 4) -> tuple:
+    """(staging bytes, semaphore bytes) of a CUDA reduction (gpu_reduce_kernel) of a tensor of
+    `shape` and `strides` (elements) over the dimensions `reduced`, or (0, 0) when each output
+    is reduced within one thread block.
+
+    TensorIterator's layout (aten/src/ATen/TensorIterator.cpp: the reduced dimensions first, then
+    by stride; adjacent dimensions coalesced) and setReduceConfig (aten/src/ATen/native/cuda/
+    Reduce.cuh): a reduction over the fastest dimension splits it across the lanes of a warp,
+    one over slower dimensions vectorises 4 outputs a thread; where a thread would still see
+    >= 256 values and the grid is small beside the device (132 multiprocessors x 2048 threads),
+    each output is split across `ctas` blocks whose partial results are staged in device memory,
+    with an int semaphore per block column. Measured on the H200 for the weight gradients of
+    RMSNorm (bf16, float accumulator): 4096 outputs over 3072 rows: 100663296 bytes and 128;
+    over 2048 rows: 67108864 and 128; 128 outputs over 65536 rows: 67108864 and 4, over 16384
+    rows: 16777216 and 4."""
+    dims = [(size, stride, index in reduced) for index, (size, stride) in enumerate(zip(shape, strides))]
+    out_strides, running = {}, 1
+    for index in reversed(range(len(dims))):  # the output: contiguous over the kept dimensions
+        size, _, is_reduced = dims[index]
+        out_strides[index] = 0 if is_reduced else running
+        running *= 1 if is_reduced else size
+    order = list(range(len(dims)))[::-1]
+
+    def should_swap(a: int, b: int) -> int:
+        oa, ob = out_strides[a], out_strides[b]
+        if (oa == 0) != (ob == 0):
+            return 1 if ob == 0 else -1
+        for sa, sb in ((oa, ob), (dims[a][1], dims[b][1])):
+            if sa == 0 or sb == 0:
+                continue
+            if sa != sb:
+                return -1 if sa < sb else 1
+            if dims[a][0] > dims[b][0]:
+                return 1
+        return 0
+
+    for i in range(1, len(order)):  # TensorIterator's insertion sort
+        moving = i
+        for j in range(i - 1, -1, -1):
+            comparison = should_swap(order[j], order[moving])
+            if comparison > 0:
+                order[j], order[moving] = order[moving], order[j]
+                moving = j
+            elif comparison < 0:
+                break
+    layout = [[dims[i][0], dims[i][1], out_strides[i], dims[i][2]] for i in order]
+    merged = [layout[0]] if layout else []
+    for size, stride, out_stride, is_reduced in layout[1:]:
+        last = merged[-1]
+        if last[0] == 1 or size == 1 or (last[0] * last[1] == stride and last[0] * last[2] == out_stride):
+            if last[0] == 1:
+                last[1], last[2], last[3] = stride, out_stride, is_reduced
+            last[0] *= size
+        else:
+            merged.append([size, stride, out_stride, is_reduced])
+    merged = [d for d in merged if d[0] != 1] or [[1, 1, 1, False]]
+    outputs = 1
+    for size, _, _, is_reduced in merged:
+        outputs *= 1 if is_reduced else size
+    total = 1
+    for size, *_ in merged:
+        total *= size
+    if outputs == 0 or total == 0:
+        return 0, 0
+    per_output = total // outputs
+    reduce_dims = sum(1 for d in merged if d[3])
+    max_threads, warp = 512, 32
+    fastest = reduce_dims == len(merged) or merged[0][1] < merged[reduce_dims][1]
+    if fastest:
+        dim0, dim1, moving_stride = per_output, outputs, merged[0][1]
+    else:
+        dim0, dim1, moving_stride = outputs, per_output, merged[reduce_dims][1]
+    output_vector = 1
+    if moving_stride == 1:
+        if fastest and dim0 > 128 and reduce_dims == 1 and 4 >= input_vector:
+            dim0 //= input_vector
+        elif not fastest:
+            output_vector = 4
+            for n in [merged[reduce_dims][0]] + [d[1] for i, d in enumerate(merged) if i != reduce_dims]:
+                while n % output_vector:
+                    output_vector //= 2
+            dim0 //= output_vector
+    threads_cap = max_threads // output_vector
+    dim0_pow2 = _last_pow2(dim0) if dim0 < threads_cap else threads_cap
+    dim1_pow2 = _last_pow2(dim1) if dim1 < threads_cap else threads_cap
+    width = min(dim0_pow2, warp)
+    height = min(dim1_pow2, threads_cap // width)
+    width = min(dim0_pow2, threads_cap // height)
+    threads = width * height
+    step_input, step_output, block_x_reduce = 1, 1, fastest
+    if fastest:
+        step_input *= width
+    else:
+        step_output *= width
+    per_thread = -(-per_output // step_input)
+    if not (per_thread >= height * 16 or per_thread >= 256):
+        return 0, 0  # each warp takes its own outputs: no split across warps, nor across blocks
+    step_input *= height
+    per_thread = -(-per_output // step_input)
+    grid_x = -(-(outputs // output_vector) // step_output)
+    target_grid = behaviour.multiprocessors * (behaviour.threads_per_multiprocessor // threads)
+    if per_thread < 256 or grid_x > target_grid:
+        return 0, 0
+    ctas = max(min(-(-target_grid // grid_x), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return 0, 0
+    staging = accumulator_bytes * outputs * ctas
+    if not block_x_reduce:
+        staging *= width * output_vector
+    return staging, 4 * grid_x
+
+
 def cudnn_decode_workspace_bytes(batch: int, query_heads: int, key_heads: int, kv_length: int,
                                  head_dim: int) -> int:
     """Workspace of cuDNN attention for one query token over `kv_length` keys (bytes requested).
@@ -268,6 +384,26 @@ def _plain_storage(t) -> bool:
 DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
 
 
+# SDPA's math composite adds the mask in place on CUDA (attn.add_(mask)); under a dispatch mode
+# every tensor counts as a subclass (areAnyTensorSubclassLike) and it adds out of place. While a
+# tracer runs, torch.nn.functional.scaled_dot_product_attention is wrapped so that the tracer
+# knows the call (a function mode would not: gradient checkpointing's recomputed forward runs
+# in backward without it) and makes that one add in place again.
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_ACTIVE = []  # the tracers whose `with` block runs, innermost last
+
+
+def _traced_attention(*args, **kwargs):
+    tracer = _ACTIVE[-1] if _ACTIVE else None
+    if tracer is None:
+        return _SDPA(*args, **kwargs)
+    previous, tracer._math_attention = tracer._math_attention, True
+    try:
+        return _SDPA(*args, **kwargs)
+    finally:
+        tracer._math_attention = previous
+
+
 class _DataFactories(TorchFunctionMode):
     """Hands the meta tensors that DATA_FACTORIES make to the tracer as new storages."""
 
@@ -298,17 +434,24 @@ class AllocationTracer(TorchDispatchMode):
         self.persistent = []  # the blocks cuBLAS/cuBLASLt hold for the process's life
         self.requests = 0
         self.layouts = {}  # (op, input layouts) -> output layouts, see _run
+        self._math_attention = False  # inside scaled_dot_product_attention: its mask's add is in place
 
     def __enter__(self):
         factories = _DataFactories(self)
         factories.__enter__()
         self.factory_modes = getattr(self, "factory_modes", []) + [factories]
+        if not _ACTIVE:
+            torch.nn.functional.scaled_dot_product_attention = _traced_attention
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
         try:
             return super().__exit__(*exc_info)
         finally:
+            _ACTIVE.pop()
+            if not _ACTIVE:
+                torch.nn.functional.scaled_dot_product_attention = _SDPA
             self.factory_modes.pop().__exit__(*exc_info)
 
     # ------------------------------------------------------------ bookkeeping
@@ -382,6 +525,8 @@ class AllocationTracer(TorchDispatchMode):
             return self._attention(*args, **kwargs)
         if func.namespace == "_c10d_functional" and func.__name__.startswith("_wrap_tensor_autograd"):
             return args[0]
+        if self._math_attention and func is aten.add.Tensor and not kwargs:
+            func = aten.add_.Tensor
         if func.namespace == "bitsandbytes":
             from lab_helpers.real.bnb_kernels import run_kernel
             return run_kernel(self, func, args, kwargs)
@@ -431,6 +576,17 @@ class AllocationTracer(TorchDispatchMode):
             self._mean_staging(*args)
         elif func is aten.layer_norm.default:
             self._layer_norm_statistics(*args)
+        elif func is aten.sum.dim_IntList:
+            self._sum_staging(*args)
+        elif func is aten._safe_softmax.default:
+            self._safe_softmax_temporaries(*args)
+        elif func is aten.cumsum.default:
+            self._cumsum_temporaries(*args)
+        elif func is aten._softmax_backward_data.default:
+            # softmax_backward_cuda_out computes grad * output into a temporary of grad's size
+            # after its own output, freed as it returns (measured on the H200 at 128 and 3072 keys)
+            grad, output = args[0], args[1]
+            self._scratch(grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize)
         elif func is aten.pow.Scalar:
             # CUDA wraps the scalar base in a one-element double tensor on the device
             self._scratch(8)
@@ -473,6 +629,45 @@ class AllocationTracer(TorchDispatchMode):
             return
         self._staged(*argmax_staging_bytes(1, values.numel(), values.element_size(), self.behaviour, 4))
 
+    def _sum_staging(self, values, dims=None, keepdim=False, *rest) -> None:
+        """A sum over some dimensions (the weight and bias gradients of training): CUDA may split
+        each output across thread blocks (reduction_staging_bytes)."""
+        if values.dim() == 0 or values.numel() == 0 or values.dtype not in (torch.float16, torch.bfloat16,
+                                                                               torch.float32):
+            return
+        reduced = set(range(values.dim())) if not dims else {d % values.dim() for d in dims}
+        self._staged(*reduction_staging_bytes(tuple(values.shape), tuple(values.stride()), reduced,
+                                              values.element_size(), 4, self.behaviour))
+
+    def _cumsum_temporaries(self, values, dim, dtype=None) -> None:
+        """cumsum on CUDA casts an input of another dtype (transformers' packed-sequence check
+        sums a boolean into int64) into a buffer of the output's dtype, and a scan of a single row
+        runs through CUB, whose temporary storage was 1279 bytes at 128 and at 3072 elements (the
+        H200, 2026-12-02); both freed as it returns."""
+        out_dtype = dtype or (torch.int64 if not values.dtype.is_floating_point and not values.dtype.is_complex
+                              else values.dtype)
+        sizes = []
+        if out_dtype != values.dtype:
+            sizes.append(values.numel() * out_dtype.itemsize)
+        if values.dim() and values.numel() == values.shape[dim] > 1:
+            sizes.append(CUB_SCAN_TEMPORARY_BYTES)
+        if sizes:
+            self.collect()
+            blocks = [self.allocator.malloc(n) for n in sizes]
+            for block in blocks:
+                self.allocator.free(block)
+
+    def _safe_softmax_temporaries(self, values, dim, *rest) -> None:
+        """_safe_softmax on CUDA (math attention's softmax): after its output, a boolean of the
+        input's shape (input == -inf), its rows all-masked (keepdim), and a 4-byte scalar, freed
+        as the op returns (measured on the H200: 524288, 4096 and 4 bytes for 32 x 128 x 128
+        scores)."""
+        self.collect()
+        rows = values.numel() // max(1, values.shape[dim])
+        blocks = [self.allocator.malloc(n) for n in (values.numel(), rows, 4) if n > 0]
+        for block in blocks:
+            self.allocator.free(block)
+
     def _staged(self, staging: int, semaphores: int) -> None:
         """A split reduction's partial results and semaphores, freed before the kernel returns."""
         if staging:
@@ -499,7 +694,7 @@ class AllocationTracer(TorchDispatchMode):
             with self:
                 return torch.empty((batch, q_length, heads, v_dim), dtype=query.dtype,
                                    device="meta").transpose(1, 2)
-        # the math fallback: its composite runs op by op, as on CUDA
+        # the math fallback: its composite runs op by op, as on CUDA (its mask's add: see _Attention)
         with self:
             return aten._scaled_dot_product_attention_math.default.decompose(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,

@@ -324,6 +324,8 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
         alloc.reset_peaks()
         tracer.backward = name == "backward"
+        if name == "backward":
+            tracer.watch_accumulation(state["loss"])
         try:
             with tracer:
                 result = action()
