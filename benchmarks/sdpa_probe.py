@@ -1,6 +1,6 @@
 """On a CUDA GPU: what attention allocates, as the tracer's model of it was measured.
 
-    python benchmarks/sdpa_probe.py OUT_FOLDER     (from the repository root)
+    python benchmarks/sdpa_probe.py OUT_FOLDER [FAMILY:BATCH:CONTEXT ...]     (from the repository root)
 
 For each point (a family's bundled shape cut to 2-4 layers, bf16, 4 new tokens), the run of
 lab_helpers.real.protocol.measure_model with the allocator's history recorded: every alloc and free
@@ -26,6 +26,9 @@ POINTS = [("mistral", 1, 8192), ("mistral", 2, 4094), ("gemma2", 1, 8000), ("gem
           ("gemma3", 4, 1022), ("phi3", 1, 512), ("phi3", 1, 4000), ("phi3", 8, 1000), ("gpt2", 4, 512),
           ("gpt2", 8, 1000), ("mixtral", 1, 512)]
 out = sys.argv[1]
+# optional: only these points (family:batch:context), run in this fresh process in the order given
+if len(sys.argv) > 2:
+    POINTS = [(f, int(b), int(c)) for f, b, c in (a.split(":") for a in sys.argv[2:])]
 calls = []
 orig = F.scaled_dot_product_attention
 

@@ -79,9 +79,11 @@ class MarkingTracer(tracer.AllocationTracer):
         super()._persistent(nbytes)
 
 
-def made_before(probe: dict) -> set:
-    """The workspaces the probe's process had made before this point."""
+def made_before(probe: dict, fresh: bool = False) -> set:
+    """The workspaces the probe's process had made before this point (none when it ran first)."""
     point = (probe["family"], probe["batch"], probe["context"])
+    if fresh:
+        return set()
     earlier = PROBE_ORDER[:PROBE_ORDER.index(point)]
     cublaslt = any(family in BIASED for family, _, _ in earlier)
     return ({CUBLAS_BYTES} if earlier else set()) | ({CUBLASLT_BYTES} if cublaslt else set())
@@ -136,10 +138,10 @@ def traced_events(probe: dict) -> list:
     return RecordingAllocator.log
 
 
-def compare(path: Path, show: int) -> bool:
+def compare(path: Path, show: int, fresh: bool = False) -> bool:
     probe = json.loads(path.read_text())
     gpu, _ = gpu_events(probe)
-    before = made_before(probe)
+    before = made_before(probe, fresh)
     gpu_c, traced_c = canonical(gpu), canonical(traced_events(probe), before)
     label = f"{probe['family']} ({probe['batch']}, {probe['context']})"
     print(f"{label}: left out: the workspaces made earlier by the probe's process {sorted(before)}")
@@ -175,8 +177,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probes", nargs="+", type=Path, help="probe files (JSON) of the SDPA probe")
     parser.add_argument("--show", type=int, default=8, help="items shown after the first difference")
+    parser.add_argument("--fresh", action="store_true",
+                        help="each file's point ran first in its process (sdpa_probe.py OUT FAMILY:BATCH:CONTEXT)")
     args = parser.parse_args(argv)
-    results = [compare(path, args.show) for path in args.probes]
+    results = [compare(path, args.show, args.fresh) for path in args.probes]
     return 0 if all(results) else 1
 
 
