@@ -251,30 +251,19 @@ def bound_problems(rows: list) -> list:
     return problems
 
 
-# Measured on the H200 (2026-12-01 night, at c49483e; every record in
-# docs/validation/2026-12-01-night-one-h200.md): the runs outside the bounds above, not explained yet.
-# Expected failures, strict: one that starts to pass fails the run, so that this table is corrected.
-KNOWN_DIFFERENCES = {
-    ("llama-3.1-8b", (1, 128), "full"): "allocated +1048576 at a phase's end",
-    ("llama-3.1-8b", (1, 128), "lora"): "allocated +524288 at a phase's end",
-    ("llama-3.1-8b", (2, 512), "checkpointing"): "reserved +1017118720 (6.30 %)",
-    ("llama-3.1-8b", (1, 3072), "full"): "reserved +1275068416 (5.72 %)",
-    ("llama-3.1-8b", (1, 3072), "lora"): "reserved +301989888 (2.54 %)",
-    ("llama-3.1-8b", (1, 3072), "checkpointing"): "peak allocated +1207959552 (12.02 %); reserved +1509949440 (12.44 %)",
-    ("qwen3-8b", (1, 128), "full"): "allocated +1048576 at a phase's end",
-    ("qwen3-8b", (1, 128), "lora"): "allocated -1048576 at a phase's end",
-    ("qwen3-8b", (2, 512), "checkpointing"): "allocated +1048576 at a phase's end",
-    ("qwen3-8b", (8, 256), "full"): "reserved +1245708288 (6.81 %)",
-    ("qwen3-8b", (1, 3072), "full"): "reserved +1509949440 (9.52 %)",
-    ("qwen3-8b", (1, 3072), "lora"): "reserved +301989888 (2.35 %)",
-    ("qwen3-8b", (1, 3072), "checkpointing"): "peak allocated +1207959552 (11.48 %); reserved +1509949440 (11.37 %)",
-    ("pythia-1.4b", (8, 256), "full"): "reserved +41943040 (1.23 %)",
-    ("pythia-1.4b", (8, 256), "checkpointing"): "reserved -33554432 (1.02 %)",
-    # first measured 2026-12-02 (docs/validation/2026-12-02-one-h200.md): 3072 tokens, where CUDA's
-    # embedding backward takes its sort-based path (EMBEDDING_DIRECT_MAX_TOKENS), as the other 3072 rows
-    ("pythia-1.4b", (1, 3072), "full"): "peak allocated +132636672 (3.07 %); reserved +150994944 (3.18 %)",
-    ("pythia-1.4b", (1, 3072), "lora"): "reserved -301989888 (7.00 %)",
-    ("pythia-1.4b", (1, 3072), "checkpointing"): "peak allocated +603979776 (16.80 %); reserved +754974720 (14.04 %)",
+# Measured on the H200 on 2026-12-02 (evening; docs/validation/2026-12-02-evening-one-h200.md), with
+# ITERAGPU_TRAIN_STRICT=1: 32 of the 36 runs exact in every counter of every record, and these four
+# with allocated exact everywhere and reserved off by one segment, within the bounds above: a
+# segment the GPU made (or did not make) that the replay did not (or did), not explained yet. They
+# are strict expected failures under ITERAGPU_TRAIN_STRICT=1 only; every other run must be exact
+# there. (The 18 runs outside the bounds on 2026-12-01 came from five things the trace now does as
+# CUDA does: the engine's in-place gradient accumulation, the math attention's in-place mask add,
+# _safe_softmax's and softmax backward's temporaries, split reductions' staging, cumsum's buffers.)
+RESERVED_WITHIN_BOUNDS = {
+    ("qwen3-8b", (1, 128), "checkpointing"): "reserved +2097152 (0.06 %) from forward 0's end to backward 0's start",
+    ("qwen3-8b", (2, 512), "lora"): "reserved -25165824 (0.46 %) from forward 0 on",
+    ("qwen3-8b", (2, 512), "checkpointing"): "reserved +16777216 (0.32 %) from forward 0 on",
+    ("pythia-1.4b", (8, 256), "full"): "reserved +33554432 (0.98 %) from optimizer_step 0 on",
 }
 
 
@@ -282,8 +271,8 @@ KNOWN_DIFFERENCES = {
 @pytest.mark.parametrize("point", POINTS, ids=[f"{b}x{t}" for b, t in POINTS])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_acceptance_table(acceptance, request, family, point, mode):
-    known = KNOWN_DIFFERENCES.get((family, point, mode))
-    if known and not STRICT:
+    known = RESERVED_WITHIN_BOUNDS.get((family, point, mode))
+    if known and STRICT:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"measured on the H200: {known}"))
     outcome = acceptance[(family, point, mode)]
     if "skip" in outcome:
@@ -309,12 +298,13 @@ def test_acceptance_table(acceptance, request, family, point, mode):
 # llama-3.1-8b cut to 2 layers, its 4-bit base (nf4, double quantization) loaded by from_pretrained from a
 # random bfloat16 checkpoint saved on the CPU first, peft's prepare_model_for_kbit_training, LoRA rank 8
 # (peft's default targets, q_proj and v_proj), AdamW foreach, 3 steps. Measured on the H200 on 2026-12-02
-# (docs/validation/2026-12-02-one-h200.md): (2, 256) and (1, 128) with checkpointing exact in every counter
-# of all 14 records; (1, 128) measured 1048576 bytes of allocated above the prediction at each forward's
-# end (and in the forward's and backward's peaks), reserved exact: the class of the bf16 rows at (1, 128)
-# of KNOWN_DIFFERENCES (a block the GPU's allocator kept whole where the model split one), not explained.
+# (evening; docs/validation/2026-12-02-evening-one-h200.md): (1, 128) and (2, 256) exact in every counter
+# of all 14 records (the +1048576 bytes of the afternoon at (1, 128) was the out-of-place gradient
+# accumulation); with checkpointing the trace then kept 4326400 bytes a step too many (its hooks kept the
+# graph's nodes alive): fixed, and that run's 14 records are now predicted to the byte
+# (tests/test_quantized.py pins the three runs' records).
 QLORA_POINTS = ((1, 128, ()), (2, 256, ()), (1, 128, ("--gradient-checkpointing",)))
-QLORA_KNOWN = {(1, 128, ()): "allocated +1048576 at each forward's end"}
+QLORA_KNOWN = {}
 
 
 def difference_table(rows: list) -> str:

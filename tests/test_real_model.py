@@ -24,7 +24,8 @@ from lab_helpers.real.predict import predict_model
 from lab_helpers.real.protocol import timeline_labels, transformers_config
 from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps
 from lab_helpers.real.tracer import (DEFAULT_BEHAVIOUR, AddressedAllocator, AllocationTracer, CappedAllocator,
-                                     OutOfMemory, argmax_staging_bytes)
+                                     OutOfMemory, argmax_staging_bytes,
+                                     reduction_staging_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -170,6 +171,25 @@ def test_tracer_adds_the_math_libraries_workspaces_once_after_the_first_products
     assert alloc.allocated == 4 * 512 + 33 * MIB
     assert tracer.workspace_bytes == 33 * MIB
     del y, z, u, v
+
+
+def test_a_sum_over_the_tokens_stages_what_the_h200_staged():
+    """RMSNorm's weight gradient, (grad * x).sum over batch and tokens, measured on the H200
+    (2026-12-02) by benchmarks/train_requests.py: (staging bytes, semaphore bytes)."""
+    def staging(shape, reduced):
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return reduction_staging_bytes(shape, strides, reduced, 2, 4, DEFAULT_BEHAVIOUR)
+    assert staging((1, 3072, 4096), {0, 1}) == (100663296, 128)  # llama-3.1-8b's hidden norms
+    assert staging((8, 256, 4096), {0, 1}) == (67108864, 128)  # qwen3-8b's, batch 8
+    assert staging((8, 256, 32, 128), {0, 1, 2}) == (67108864, 4)  # qwen3-8b's q_norm over heads
+    assert staging((8, 256, 8, 128), {0, 1, 2}) == (16777216, 4)  # its k_norm
+    assert staging((1, 128, 4096), {0, 1}) == (0, 0)  # 128 rows: one block per output column
+    assert staging((1, 3072, 4096), {2}) == (0, 0)  # a row's mean: within a block
+    # a whole-tensor mean of float32 (bitsandbytes' absmax offset), measured in 2026-11: one output
+    assert reduction_staging_bytes((917504,), (1,), {0}, 4, 4, DEFAULT_BEHAVIOUR) == (448, 4)
+    assert reduction_staging_bytes((65536,), (1,), {0}, 4, 4, DEFAULT_BEHAVIOUR) == (0, 0)
 
 
 def test_argmax_over_a_large_vocabulary_stages_partial_results():

@@ -69,42 +69,21 @@ def _last_pow2(n: int) -> int:
 
 def argmax_staging_bytes(outputs: int, inputs_per_output: int, element_bytes: int,
                          behaviour: CudaBehaviour, accumulator_bytes: int = 16) -> tuple:
-    """(staging bytes, semaphore bytes) of argmax over the last, contiguous dimension.
-
-    PyTorch's setReduceConfig (aten/src/ATen/native/cuda/Reduce.cuh) for a reduction along
-    the fastest dimension: 512 threads at most, input vectorised by 4, and a split of each
-    output across blocks ("global reduce") when a thread would still see >= 256 values.
+    """(staging bytes, semaphore bytes) of argmax over the last, contiguous dimension:
+    reduction_staging_bytes along the fastest dimension (512 threads at most, input vectorised
+    by 4, each output split across blocks when a thread would still see >= 256 values).
     The accumulator of argmax is a (float, int64) pair: 16 bytes; a mean's is one float (4 bytes):
     a whole-tensor mean is one output over every input (measured on the H200: 448 bytes of staging
     and a 4-byte semaphore for the mean of 917504 float32 values, 128 bytes for 262144, none for
     65536)."""
-    max_threads, warp, vector = 512, 32, 4
-    dim0 = inputs_per_output
-    if dim0 > 128:
-        dim0 //= vector
-    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = _last_pow2(outputs) if outputs < max_threads else max_threads
-    width = min(dim0_pow2, warp)
-    height = min(dim1_pow2, max_threads // width)
-    width = min(dim0_pow2, max_threads // height)
-    threads = width * height
-    step_input = width
-    per_thread = -(-inputs_per_output // step_input)
-    if not (per_thread >= height * 16 or per_thread >= 256):
-        return 0, 0
-    step_input *= height
-    per_thread = -(-inputs_per_output // step_input)
-    grid_x = outputs  # one output per block row: step_output is 1 here
-    target_grid = behaviour.multiprocessors * (behaviour.threads_per_multiprocessor // threads)
-    if per_thread < 256 or grid_x > target_grid:
-        return 0, 0
-    ctas = max(min(-(-target_grid // grid_x), -(-per_thread // 16)), -(-per_thread // 256))
-    if ctas <= 1:
-        return 0, 0
-    return accumulator_bytes * outputs * ctas, 4 * grid_x
+    return reduction_staging_bytes((outputs, inputs_per_output), (inputs_per_output, 1), {1}, element_bytes,
+                                   accumulator_bytes, behaviour)
 
 
-CUB_SCAN_TEMPORARY_BYTES = 1279
+# CUB's temporary storage for the scan of one row, by the output's element size: measured on the
+# H200 (2026-12-02) at 128 and 3072 int64 values (transformers' packed-sequence check) and at 8 int32
+# values (the MoE experts' offsets); other lengths are assumed to ask the same
+CUB_SCAN_TEMPORARY_BYTES = {4: 1023, 8: 1279}
 
 
 def reduction_staging_bytes(shape, strides, reduced, element_bytes: int, accumulator_bytes: int,
@@ -532,7 +511,7 @@ class AllocationTracer(TorchDispatchMode):
             return run_kernel(self, func, args, kwargs)
         result = self._run(func, args, kwargs)
         self._track(result, _tensors((args, kwargs)))
-        self._after_kernel(func, args)
+        self._after_kernel(func, args, kwargs)
         return result
 
     def _run(self, func, args, kwargs):
@@ -564,7 +543,7 @@ class AllocationTracer(TorchDispatchMode):
             self.layouts[key] = found if isinstance(result, torch.Tensor) else tuple(found)
         return result
 
-    def _after_kernel(self, func, args) -> None:
+    def _after_kernel(self, func, args, kwargs) -> None:
         if func in (aten.linear.default, aten.addmm.default):
             has_bias = func is aten.addmm.default or (len(args) > 2 and args[2] is not None)
             self._blas(lt=has_bias)
@@ -581,7 +560,7 @@ class AllocationTracer(TorchDispatchMode):
         elif func is aten._safe_softmax.default:
             self._safe_softmax_temporaries(*args)
         elif func is aten.cumsum.default:
-            self._cumsum_temporaries(*args)
+            self._cumsum_temporaries(*args, **kwargs)
         elif func is aten._softmax_backward_data.default:
             # softmax_backward_cuda_out computes grad * output into a temporary of grad's size
             # after its own output, freed as it returns (measured on the H200 at 128 and 3072 keys)
@@ -642,15 +621,15 @@ class AllocationTracer(TorchDispatchMode):
     def _cumsum_temporaries(self, values, dim, dtype=None) -> None:
         """cumsum on CUDA casts an input of another dtype (transformers' packed-sequence check
         sums a boolean into int64) into a buffer of the output's dtype, and a scan of a single row
-        runs through CUB, whose temporary storage was 1279 bytes at 128 and at 3072 elements (the
-        H200, 2026-12-02); both freed as it returns."""
+        runs through CUB, whose temporary storage is CUB_SCAN_TEMPORARY_BYTES; both freed as it
+        returns."""
         out_dtype = dtype or (torch.int64 if not values.dtype.is_floating_point and not values.dtype.is_complex
                               else values.dtype)
         sizes = []
         if out_dtype != values.dtype:
             sizes.append(values.numel() * out_dtype.itemsize)
         if values.dim() and values.numel() == values.shape[dim] > 1:
-            sizes.append(CUB_SCAN_TEMPORARY_BYTES)
+            sizes.append(CUB_SCAN_TEMPORARY_BYTES[min(8, max(4, out_dtype.itemsize))])
         if sizes:
             self.collect()
             blocks = [self.allocator.malloc(n) for n in sizes]
