@@ -673,7 +673,7 @@ class AllocationTracer(TorchDispatchMode):
             with self:
                 return torch.empty((batch, q_length, heads, v_dim), dtype=query.dtype,
                                    device="meta").transpose(1, 2)
-        # the math fallback: its composite runs op by op, as on CUDA (its mask's add: see _Attention)
+        # the math fallback: its composite runs op by op, as on CUDA (its mask's add: see _traced_attention)
         with self:
             return aten._scaled_dot_product_attention_math.default.decompose(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
