@@ -173,39 +173,30 @@ def traced(run: dict):
     return out
 
 
-def canonical_with_frames(events, frames):
-    """tracer_requests.canonical, keeping each allocation's frames beside it."""
-    out, frees, it = [], [], iter(frames)
-    for action, size in events:
-        if action == "workspace":
-            continue
-        if action == "alloc":
-            if frees:
-                out.append((("free", tuple(sorted(frees))), None))
-                frees = []
-            out.append((("alloc", size), next(it, None)))
-        else:
-            frees.append(size)
-    if frees:
-        out.append((("free", tuple(sorted(frees))), None))
-    return out
+def with_frames(items: list, frames: list) -> list:
+    """tracer_requests.canonical's items, each allocation beside its frames (in order)."""
+    it = iter(frames)
+    return [(item, next(it, None) if item[0] == "alloc" else None) for item in items]
+
+
+def jsonable(items: list) -> list:
+    """Canonical items as JSON has them: ["alloc", bytes] or ["free", [bytes, ...]]."""
+    return [[action, list(value) if action == "free" else value] for action, value in items]
 
 
 RUN_KEYS = ("config", "layers", "batch", "context", "steps", "train", "lora_rank", "gradient_checkpointing", "torch")
 
 
 def gpu_requests(phase: dict) -> list:
-    """A measured phase's requests as canonical items: ["alloc", bytes] or ["free", [bytes, ...]]."""
-    events = [(("alloc" if a == "alloc" else "free"), size) for a, size, _, _ in phase["events"]
-              if a in ("alloc", "free_requested")]
-    return [[action, list(value) if action == "free" else value]
-            for (action, value), _ in canonical_with_frames(events, [])]
+    """A measured phase's requests, canonical and as JSON has them."""
+    import tracer_requests as requests
+    return jsonable(requests.canonical(requests.gpu_events(phase)[0]))
 
 
 def traced_requests(phase: dict) -> list:
     """A traced phase's requests, in gpu_requests' form."""
-    return [[action, list(value) if action == "free" else value]
-            for (action, value), _ in canonical_with_frames(phase["log"], phase["frames"])]
+    import tracer_requests as requests
+    return jsonable(requests.canonical(phase["log"]))
 
 
 def pin(args) -> int:
@@ -221,18 +212,17 @@ def pin(args) -> int:
 
 
 def compare_one(path: Path, show: int) -> bool:
+    import tracer_requests as requests
     run = json.loads(path.read_text())
     mine = traced(run)
     print(f"{path.name}: {run['config']} {run['layers']} layers, ({run['batch']}, {run['context']}), {run['train']}"
           f"{', checkpointing' if run['gradient_checkpointing'] else ''}")
     same = True
     for gpu, t in zip(run["phases"], mine):
-        events = [(("alloc" if a == "alloc" else "free"), size) for a, size, _, _ in gpu["events"]
-                  if a in ("alloc", "free_requested")]
-        gframes = [f for a, _, _, f in gpu["events"] if a == "alloc"]
+        events, gframes = requests.gpu_events(gpu)
         # the tracer's workspaces: the allocation after each mark is cuBLAS's, made by the GPU too
-        g = canonical_with_frames(events, gframes)
-        tr = canonical_with_frames(t["log"], t["frames"])
+        g = with_frames(requests.canonical(events), [f for (a, _), f in zip(events, gframes) if a == "alloc"])
+        tr = with_frames(requests.canonical(t["log"]), t["frames"])
         diff = {k: gpu[k] - t[k] for k in COUNTERS if gpu[k] != t[k]}
         segs = [s for a, s, _, _ in gpu["events"] if a == "segment_alloc"]
         label = f"  {gpu['phase']:>15} {str(gpu['index']):>4}"
