@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from lab_helpers.build.bundle import STANDALONE, build
-from lab_helpers.build.sync import CLI_REFERENCE_MODULE, cli_reference, sync, sync_all
+from lab_helpers.build.sync import CLI_REFERENCE_MODULE, cli_reference, measurement_schema, sync, sync_all
 
 
 def test_standalone_files_are_what_the_bundler_builds():
@@ -27,6 +27,10 @@ def test_the_cli_reference_is_what_the_parsers_print():
     if not (ROOT / CLI_REFERENCE_MODULE).is_file():
         pytest.skip(f"{CLI_REFERENCE_MODULE} is not in this checkout")
     assert cli_reference(check=True) == [], "docs/cli.md differs from the parsers; run `make sync`"
+
+
+def test_the_measurement_schema_file_is_the_modules():
+    assert measurement_schema(check=True) == [], "measurement.schema.json differs from its module; run `make sync`"
 
 
 def test_sync_check_command_passes_and_names_the_fix(tmp_path):

@@ -216,12 +216,32 @@ def cli_reference(check: bool) -> list:
     return list(write_reference(check=check))
 
 
+SCHEMA_PATH = "lab_helpers/measurement.schema.json"
+
+
+def measurement_schema(root: Path = ROOT, check: bool = False) -> list:
+    """Rewrite (or check) measurement.schema.json from lab_helpers.measurement.schema."""
+    import json
+
+    from lab_helpers.core.files import replace_text
+    from lab_helpers.measurement.schema import MEASUREMENT_SCHEMA
+    want = json.dumps(MEASUREMENT_SCHEMA, indent=2) + "\n"
+    path = root / SCHEMA_PATH
+    if path.is_file() and path.read_text(encoding="utf-8") == want:
+        return []
+    if not check:
+        replace_text(path, want)
+    return [SCHEMA_PATH]
+
+
 def sync_all(root: Path = ROOT, check: bool = False) -> list:
-    """Every generated file: the standalone files, the notebooks, the CLI reference; the stale ones."""
+    """Every generated file: the standalone files, the notebooks, the CLI reference, the measurement
+    schema; the stale ones."""
     stale = build(root, check=check)
     stale += sync(root, check=check)
     if root == ROOT:  # the reference documents this checkout's own parsers
         stale += cli_reference(check)
+        stale += measurement_schema(root, check)
     return stale
 
 
