@@ -40,6 +40,7 @@ def arguments(argv):
     m.add_argument("--train", choices=("full", "lora"), default="full")
     m.add_argument("--lora-rank", type=int, default=8)
     m.add_argument("--gradient-checkpointing", action="store_true")
+    m.add_argument("--autocast", action="store_true", help="float32 weights, the forward under bfloat16 autocast")
     m.add_argument("--cpp", action="store_true", help="record C++ frames too (slow: symbolized)")
     pin = sub.add_parser("pin", help="write the measured runs' request sequences and counters, compactly")
     pin.add_argument("output", type=Path)
@@ -51,7 +52,7 @@ def arguments(argv):
 
 
 def build(config: str, layers: int, batch: int, context: int, steps: int, train: str, rank: int,
-          checkpointing: bool, device: str):
+          checkpointing: bool, device: str, autocast: bool = False):
     from lab_helpers.real.config import parse_config
     from lab_helpers.real.train import TrainSpec
     raw = json.loads((ROOT / "data" / "models" / f"{config}.json").read_text())
@@ -60,8 +61,9 @@ def build(config: str, layers: int, batch: int, context: int, steps: int, train:
         raw["layer_types"] = raw["layer_types"][:layers]
     shape = parse_config(raw, f"{config}-{layers}-layers")
     lora = {"train": "lora", "lora_rank": rank} if train == "lora" else {}
+    mixed = {"dtype": "float32", "autocast": "bfloat16"} if autocast else {}
     spec = TrainSpec(shape.name, batch=batch, context=context, steps=steps, gradient_checkpointing=checkpointing,
-                     device=device, **lora)
+                     device=device, **lora, **mixed)
     return shape, spec
 
 
@@ -81,7 +83,7 @@ def measure(args) -> int:
     from lab_helpers.measurement.protocol import run_phase
     from lab_helpers.real.train import run_training_protocol
     shape, spec = build(args.config, args.layers, args.batch, args.context, args.steps, args.train,
-                        args.lora_rank, args.gradient_checkpointing, "cuda:0")
+                        args.lora_rank, args.gradient_checkpointing, "cuda:0", args.autocast)
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     torch.cuda.init()
@@ -93,7 +95,7 @@ def measure(args) -> int:
         record, result = run_phase(torch, device, name, action, index, 1 if name in ("forward", "backward") else 0)
         trace = torch.cuda.memory._snapshot(device)["device_traces"][0]
         events = [[e["action"], e["size"], e.get("addr", 0), gpu_frames(e)] for e in trace[seen[0]:]
-                  if e["action"] in ("alloc", "free_requested", "segment_alloc", "segment_free")]
+                  if e["action"] in ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free")]
         seen[0] = len(trace)
         phases.append({"phase": name, "index": index, **{k: record[k] for k in COUNTERS}, "events": events})
         return result
@@ -102,7 +104,8 @@ def measure(args) -> int:
     torch.cuda.memory._record_memory_history(enabled=None)
     run = {"config": args.config, "layers": args.layers, "batch": args.batch, "context": args.context,
            "steps": args.steps, "train": args.train, "lora_rank": args.lora_rank,
-           "gradient_checkpointing": args.gradient_checkpointing, "torch": torch.__version__, "phases": phases}
+           "gradient_checkpointing": args.gradient_checkpointing, "autocast": args.autocast,
+           "torch": torch.__version__, "phases": phases}
     args.output.write_text(json.dumps(run))
     for p in phases:
         print(f"{p['phase']:>15} {str(p['index']):>4} {len(p['events']):7d} events  end allocated "
@@ -118,7 +121,7 @@ def traced(run: dict):
     import tracer_requests as requests
 
     shape, spec = build(run["config"], run["layers"], run["batch"], run["context"], run["steps"], run["train"],
-                        run["lora_rank"], run["gradient_checkpointing"], "cuda:0")
+                        run["lora_rank"], run["gradient_checkpointing"], "cuda:0", run.get("autocast", False))
     requests.RecordingAllocator.log, requests.RecordingAllocator.requested = [], {}
     requests.RecordingAllocator.frames = []
     marks, ops = [], []
@@ -203,7 +206,8 @@ def pin(args) -> int:
     runs = []
     for path in args.files:
         run = json.loads(path.read_text())
-        runs.append({**{k: run[k] for k in RUN_KEYS}, "phases": [
+        mixed = {"autocast": True} if run.get("autocast") else {}  # runs before --autocast have no key
+        runs.append({**{k: run[k] for k in RUN_KEYS}, **mixed, "phases": [
             {"phase": p["phase"], "index": p["index"], **{k: p[k] for k in COUNTERS}, "requests": gpu_requests(p)}
             for p in run["phases"]]})
     args.output.write_text(json.dumps(runs, separators=(",", ":")) + "\n")

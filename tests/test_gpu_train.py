@@ -154,6 +154,10 @@ FAMILIES = ("llama-3.1-8b", "qwen3-8b", "pythia-1.4b")  # llama, qwen3, gpt_neox
 POINTS = ((1, 128), (2, 512), (8, 256), (1, 3072))
 MODES = {"full": (), "lora": ("--train", "lora", "--lora-rank", "8"),
          "checkpointing": ("--gradient-checkpointing",)}
+# mixed precision as users run it: float32 master weights, the forward under bfloat16 autocast
+AUTOCAST = ("--dtype", "float32", "--autocast", "bfloat16")
+AUTOCAST_MODES = {f"autocast {mode}": flags + AUTOCAST for mode, flags in MODES.items()}
+AUTOCAST_POINTS = ((1, 128), (2, 512))
 ACCEPTANCE_STEPS = 3
 WORKERS = int(os.environ.get("ITERAGPU_TRAIN_WORKERS", "4"))
 STRICT = os.environ.get("ITERAGPU_TRAIN_STRICT") == "1"
@@ -181,7 +185,8 @@ def measure_one(folder: Path, family: str, point: tuple, mode: str) -> dict:
     try:
         proc = run("-m", "lab_helpers.real_model", "measure", "--task", "train", "--config",
                    str(config), "--dtype", "bfloat16", "--batch", str(batch), "--context",
-                   str(context), "--steps", str(ACCEPTANCE_STEPS), *MODES[mode], *beyond, "--device", CHILD_DEVICE,
+                   str(context), "--steps", str(ACCEPTANCE_STEPS), *{**MODES, **AUTOCAST_MODES}[mode], *beyond,
+                   "--device", CHILD_DEVICE,
                    "--output", str(out))
     except subprocess.TimeoutExpired:
         return {"error": "measure did not end within 600 s"}
@@ -195,7 +200,7 @@ def _selected(request) -> list:
     wanted = []
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if getattr(item, "originalname", None) == "test_acceptance_table" and params:
+        if getattr(item, "originalname", None) in ("test_acceptance_table", "test_autocast_table") and params:
             key = (params["family"], params["point"], params["mode"])
             if key not in wanted:
                 wanted.append(key)
@@ -214,7 +219,7 @@ def acceptance(request, tmp_path_factory):
     except ImportError:
         peft = None
     if peft is None:
-        for key in [key for key in runs if key[2] == "lora"]:
+        for key in [key for key in runs if "lora" in key[2]]:
             runs.remove(key)
             results[key] = {"skip": "peft is not installed (pip install peft==0.21.2): LoRA was NOT checked"}
     folder = tmp_path_factory.mktemp("acceptance")
@@ -292,6 +297,30 @@ def test_acceptance_table(acceptance, request, family, point, mode):
                     "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
            "train-acceptance-summary.jsonl")
     assert bound_problems(rows) == []
+
+
+@pytest.mark.parametrize("mode", list(AUTOCAST_MODES))
+@pytest.mark.parametrize("point", AUTOCAST_POINTS, ids=[f"{b}x{t}" for b, t in AUTOCAST_POINTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_table(acceptance, family, point, mode):
+    outcome = acceptance[(family, point, mode)]
+    if "skip" in outcome:
+        pytest.skip(outcome["skip"])
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["compare"]
+    rows = result["rows"]
+    assert len(rows) == 2 + 4 * ACCEPTANCE_STEPS
+    label = {"model": f"{family}, 2 layers", "batch": point[0], "context": point[1], "mode": mode,
+             "flags": list(AUTOCAST_MODES[mode])}
+    for row in rows:
+        report(label | row)
+    largest = {key: max((row[f"difference_{key}"] for row in rows), key=abs) for key in COUNTERS}
+    report(label | {"summary": True, "records": len(rows), "largest_difference": largest,
+                    "exact": all(v == 0 for v in largest.values()),
+                    "peak_allocated_worst_relative": result["peak_allocated_worst_relative"],
+                    "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
+           "train-acceptance-summary.jsonl")
+    assert bound_problems(rows) == [], difference_table(rows)
 
 
 # ------------------------------------------------------------------------------------- QLoRA

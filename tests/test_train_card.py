@@ -199,7 +199,7 @@ REFUSED = [
     (["--tariffs", ""], "--tariffs: the path is empty"),
     (["--tariffs", "no-such-card.csv"], "no-such-card.csv: cannot read the rate card"),
     (["--new-tokens", "4"], "--new-tokens is for inference"),
-    (["--autocast", "bfloat16"], "--autocast bfloat16 cannot be predicted"),
+    (["--autocast", "bfloat16"], "--autocast bfloat16 keeps float32 master weights: give --dtype float32"),
     (["--train", "qlora", "--lora-rank", "4"], "--train qlora needs --quantize"),
     (["--train", "lora"], "--lora-rank must be a whole number"),
     (["--train", "lora", "--lora-rank", "4", "--lora-targets", "nope"], "--lora-targets nope: no such linear layer"),

@@ -134,7 +134,9 @@ def run_main(capsys, *argv):
 @pytest.mark.parametrize("extra, message", [
     (("--task", "train", "--steps", "1"), "--steps: must be >= 2"),
     (("--task", "train", "--train", "qlora", "--lora-rank", "8"), "--train qlora needs --quantize"),
-    (("--task", "train", "--autocast", "bfloat16"), "autocast does not act on tensors of the meta device"),
+    (("--task", "train", "--autocast", "bfloat16"), "--autocast bfloat16 keeps float32 master weights"),
+    (("--task", "train", "--autocast", "float16", "--dtype", "float32"), "--autocast: invalid choice: 'float16'"),
+    (("--autocast", "bfloat16", "--new-tokens", "4"), "--autocast needs --task train"),
     (("--task", "train", "--tensor-parallel", "2"), "tensor-parallel training is out of scope"),
     (("--task", "train", "--new-tokens", "4"), "--new-tokens is for inference"),
     (("--task", "train", "--optimizer", "sgd", "--fused"), "--fused is for --optimizer adamw only"),

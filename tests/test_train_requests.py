@@ -3,7 +3,10 @@
 tests/h200_train_requests.json holds three fine-tuning runs measured on an NVIDIA H200 (torch
 2.11.0+cu130, transformers 5.17.0, 2026-12-02) by `benchmarks/train_requests.py measure` and pinned by
 its `pin`: two layers of llama-3.1-8b at (1, 128), full AdamW; at (1, 3072) with gradient
-checkpointing; two layers of qwen3-8b at (8, 256), full; three steps each. Per phase, every
+checkpointing; two layers of qwen3-8b at (8, 256), full; three steps each; and two layers of
+llama-3.1-8b at (1, 128) with float32 weights under bfloat16 autocast and gradient checkpointing,
+two steps (its casts, their cached weight copies, and the recomputed forward under the forward's
+autocast state). Per phase, every
 allocation in order and the set of releases between two allocations, and the six counters. The
 same runs traced on meta must ask the same requests and replay to the same counters. What these
 runs exercise: the engine's in-place gradient accumulation, the math attention's in-place mask
@@ -25,7 +28,7 @@ _spec.loader.exec_module(train_requests)
 
 def label(run: dict) -> str:
     return (f"{run['config']}-{run['batch']}x{run['context']}-{run['train']}"
-            f"{'-checkpointing' if run['gradient_checkpointing'] else ''}")
+            f"{'-checkpointing' if run['gradient_checkpointing'] else ''}{'-autocast' if run.get('autocast') else ''}")
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[label(r) for r in RUNS])

@@ -190,6 +190,7 @@ MEASUREMENT_SCHEMA = {
                 "fused": {"type": "boolean"},
                 "train": {"enum": ["full", "lora", "qlora"]},
                 "quantize": {"enum": list(QUANTIZE_KINDS)},  # --train qlora's 4-bit base
+                "autocast": {"enum": ["bfloat16"]},  # float32 weights, the forward under bfloat16 autocast
                 "lora_rank": {"type": "integer", "minimum": 1},
                 "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
                 "gradient_checkpointing": {"type": "boolean"},

@@ -21,6 +21,7 @@ from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization, quiet_
 from lab_helpers.real.spec import COUNTER_KEYS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, RunSpec, model_description
 
 TRAIN_MODES = ("full", "lora", "qlora")
+AUTOCAST_DTYPES = ("bfloat16",)
 ADAPTER_MODES = ("lora", "qlora")  # peft's LoRA adapters on a frozen base: bfloat16 (lora) or 4-bit (qlora)
 LEARNING_RATE = 1e-3  # the values never change the bytes
 SGD_MOMENTUM = 0.9
@@ -37,6 +38,12 @@ TRAIN_ASSUMPTIONS = (
     "computes it with labels=input_ids (float32 logits, cross-entropy over the shifted tokens); the backward "
     "pass on the autograd engine's device thread, whose cuBLAS handle gets its own workspaces; reductions "
     "in one pass (a reduction split across thread blocks allocates a small staging buffer, not added)")
+AUTOCAST_NOTE = (
+    "autocast bfloat16: each product casts its float32 inputs to bfloat16 (a trained weight once per forward: "
+    "autocast keeps that copy until the forward's region exits, and the product keeps it for backward), so the "
+    "forward ends holding a bfloat16 copy of every trained weight a product used; float32 ops (pow, rsqrt, "
+    "softmax, losses) cast bfloat16 inputs up; gradients and optimizer states stay float32; the trace applies "
+    "CUDA's autocast lists at each Python call (lab_helpers.real.autocast)")
 TRAIN_NOTES = (
     "the optimizer's states (AdamW: exp_avg and exp_avg_sq per trained parameter, in its dtype; SGD: a "
     "momentum buffer) appear at the first optimizer_step: allocated jumps by their bytes; the second step "
@@ -63,6 +70,7 @@ class TrainSpec:
     lora_rank: "int | None" = None
     lora_targets: "tuple | None" = None  # None: peft's default targets for the model type
     quantize: "str | None" = None  # --train qlora: the 4-bit base's --quantize value (lab_helpers.real.quantized)
+    autocast: "str | None" = None  # "bfloat16": float32 weights, the forward under torch.autocast("cuda", bfloat16)
 
     def __post_init__(self):
         parse_device(self.device)
@@ -102,11 +110,22 @@ class TrainSpec:
                            "on them: use --train qlora")
         if self.quantize is not None:
             check_quantization(self.quantize, self.dtype, 1)
+        if self.autocast is not None:
+            if self.autocast not in AUTOCAST_DTYPES:
+                raise LabError(f"--autocast must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
+            if self.dtype != "float32":
+                raise LabError(f"--autocast {self.autocast} keeps float32 master weights: give --dtype float32 "
+                               f"(got {self.dtype}; bfloat16 weights train without autocast)")
+            if self.train == "qlora":
+                raise LabError("--autocast with --train qlora is not predicted: the 4-bit product computes in its "
+                               "own compute dtype; leave --autocast out")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
 
     def record(self) -> dict:
         record = {"kind": "transformers", "task": "train", **asdict(self)}
+        if self.autocast is None:
+            del record["autocast"]  # the schema takes an autocast dtype or nothing
         if self.quantize is None:
             del record["quantize"]  # the schema takes a --quantize value or nothing
         if self.train not in ADAPTER_MODES:
@@ -174,12 +193,13 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase, emp
             state["ids"] = torch.randint(0, shape.vocab, size, device=device, generator=generator)
 
     def forward():
-        with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]), autocast_forward(device.type, spec.autocast):
             # the output (its logits) is dropped here: the graph keeps what backward needs
             state["loss"] = state["model"](input_ids=state["ids"], labels=state["ids"], use_cache=False).loss
 
     def backward():
-        with sdpa_kernel([SDPBackend.MATH]):  # checkpointing's recomputed forward runs here
+        # checkpointing's recomputed forward runs here, under the forward's autocast state
+        with sdpa_kernel([SDPBackend.MATH]), autocast_backward(device.type, spec.autocast):
             state.pop("loss").backward()
 
     def optimizer_step():
@@ -193,6 +213,36 @@ def run_training_protocol(shape: ModelShape, spec: TrainSpec, device, phase, emp
         for name, action in zip(TRAIN_STEP_PHASES, (forward, backward, optimizer_step, zero_grad)):
             phase(name, action, step, state)
     state.clear()
+
+
+def autocast_forward(device_type: str, autocast: "str | None"):
+    """The forward's autocast region, as users write it: torch.autocast("cuda", dtype=torch.bfloat16)
+    around the model call and its loss (backward outside it); on meta, its reproduction."""
+    import contextlib
+
+    import torch
+    if autocast is None:
+        return contextlib.nullcontext()
+    dtype = getattr(torch, autocast)
+    if device_type != "meta":
+        return torch.autocast(device_type, dtype=dtype)
+    from lab_helpers.real.autocast import MetaAutocast, installed
+    stack = contextlib.ExitStack()
+    mode = stack.enter_context(installed(MetaAutocast(dtype)))
+    stack.enter_context(mode.region(True, dtype))
+    return stack
+
+
+def autocast_backward(device_type: str, autocast: "str | None"):
+    """Backward runs outside autocast; on meta the reproduction stays installed (disabled) so that
+    checkpointing's recomputation can restore the forward's state, as it does on CUDA."""
+    import contextlib
+    if autocast is None or device_type != "meta":
+        return contextlib.nullcontext()
+    import torch
+
+    from lab_helpers.real.autocast import MetaAutocast, installed
+    return installed(MetaAutocast(getattr(torch, autocast)))
 
 
 def import_peft(mode: str = "lora"):
@@ -355,6 +405,8 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
     notes = list(TRAIN_NOTES)
     if spec.train == "qlora":
         notes.append(qlora_note(spec, **prepared))
+    if spec.autocast:
+        notes.append(AUTOCAST_NOTE)
     if spec.batch * spec.context > EMBEDDING_DIRECT_MAX_TOKENS:
         notes.append(f"batch x context is above {EMBEDDING_DIRECT_MAX_TOKENS}: the embedding's backward on CUDA "
                      "then sorts the token ids, with temporaries this trace does not add (peaks of backward can "

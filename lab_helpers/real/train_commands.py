@@ -40,8 +40,9 @@ def add_model_train_flags(parser) -> None:
                         help="with --train lora or qlora: the linear layers that get adapters, by name (default: "
                              "peft's defaults for the model type, q_proj v_proj for Llama and Qwen2)")
     parser.add_argument("--autocast", choices=("bfloat16",), default=None,
-                        help="with --task train: fp32 weights under bf16 autocast; refused for now (autocast does "
-                             "not act on the meta device, so it cannot be predicted)")
+                        help="with --task train and --dtype float32: the forward and its loss under "
+                             "torch.autocast('cuda', dtype=torch.bfloat16), float32 master weights (not with --train "
+                             "qlora)")
 
 
 TRAIN_ONLY_FLAGS = (("--train", "train"), ("--steps", "steps"), ("--optimizer", "optimizer"),
@@ -64,16 +65,13 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=
         raise LabError("--new-tokens is for inference; --task train runs --steps optimizer steps instead")
     if getattr(args, "tensor_parallel", 1) != 1:
         raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
-    if args.autocast is not None:
-        raise LabError("--autocast bfloat16 cannot be predicted: autocast does not act on tensors of the meta "
-                       "device, where the prediction runs; train with --dtype bfloat16 or float32 weights")
     batch, context = sizes or (args.batch, args.context)
     return TrainSpec(config_name, dtype=args.dtype, batch=batch, context=context,
                      steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw",
                      fused=args.fused, train=args.train or "full", gradient_checkpointing=args.gradient_checkpointing,
                      device=device, seed=seed, lora_rank=args.lora_rank,
                      lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
-                     quantize=args.quantize)
+                     quantize=args.quantize, autocast=args.autocast)
 
 
 def check_train_positions(shape, args) -> None:
