@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, MIN_BLOCK_BYTES,
-                                         SMALL_REQUEST_MAX_BYTES)
+from lab_helpers.allocator.addresses import DriverAddresses
+from lab_helpers.allocator.model import AllocatorModel, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
 from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
 
 MIB = 2**20
@@ -77,46 +77,26 @@ class ReferenceAllocator:
 
 
 class ReferenceAddressed(ReferenceAllocator):
-    """The former AddressedAllocator: segments moved into place after the base class made them."""
+    """The reference with the driver's address order (lab_helpers.allocator.addresses, shared: the
+    index is what is checked): segments moved into place after the base class made them."""
 
     def __init__(self):
         super().__init__()
-        self.top = 0
-        self.holes = []
+        self.addresses = DriverAddresses()
 
     def malloc(self, request_bytes):
         reserved, base = self.reserved, self.next_address
         block = super().malloc(request_bytes)
         grown = self.reserved - reserved
-        if grown > LARGE_SEGMENT_BYTES:
-            start = self._take_hole(grown)
-            if start is None:
-                self.top -= grown
-                start = self.top
+        if grown:
+            start = self.addresses.map(grown)
             for member in block.segment:
                 member.address += start - base
             self.next_address = base
         return block
 
-    def _take_hole(self, size):
-        fitting = [h for h in self.holes if h[1] >= size]
-        if not fitting:
-            return None
-        hole = max(fitting)
-        self.holes.remove(hole)
-        if hole[1] > size:
-            self.holes.append((hole[0], hole[1] - size))
-        return hole[0] + hole[1] - size
-
     def give_back(self, block):
-        if block.size <= LARGE_SEGMENT_BYTES:
-            return
-        start, end = block.address, block.address + block.size
-        for hole in list(self.holes):
-            if hole[0] + hole[1] == start or hole[0] == end:
-                self.holes.remove(hole)
-                start, end = min(start, hole[0]), max(end, hole[0] + hole[1])
-        self.holes.append((start, end - start))
+        self.addresses.release(block.address, block.size)
 
 
 class ReferenceCapped(ReferenceAddressed):
@@ -154,8 +134,9 @@ def state(alloc) -> tuple:
 
     pools = tuple(sorted((b.size, b.address, segment_of(b)) for b in alloc.free_blocks[small])
                   for small in (True, False))
+    addresses = getattr(alloc, "addresses", None)
     return (alloc.allocated, alloc.reserved, alloc.peak_allocated, alloc.peak_reserved, pools,
-            sorted(getattr(alloc, "holes", [])))
+            None if addresses is None else (addresses.top, sorted(addresses.holes), sorted(addresses.room)))
 
 
 BOUNDARIES = [MIN_BLOCK_BYTES, MIB, 10 * MIB, 20 * MIB, 2 * MIB, 12 * MIB]

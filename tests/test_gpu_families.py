@@ -58,15 +58,10 @@ FAMILIES = {
     # Mistral v0.1: a 4096 window on every layer, shorter than the long context
     "mistral_sliding": ("mistral-7b-v0.1", {"num_hidden_layers": 2}, [(1, 512), (2, 4094), (8, 1000), (1, 8192)]),
 }
-# measured on the H200 2026-12-01, not yet explained by the model: (family, batch, context): why
-KNOWN_DIFFERENCES = {
-    # the requests are the GPU's, one for one, but for three transients (benchmarks/tracer_requests.py
-    # --fresh on a 2026-12-02 probe): a 4 MiB request the GPU put in its newest 20 MiB segment, the
-    # model in the oldest (the driver mapped this run's 20 MiB segments top-down, the model bottom-up)
-    ("mixtral", 1, 512): "reserved 58720256 bytes above the GPU from prefill on: a free 4 MiB block taken in "
-                         "another 20 MiB segment than the GPU's (the driver's address order), then a new 56 MiB segment "
-                         "where the GPU reused one",
-}
+# measured on the H200, not yet explained by the model: (family, batch, context): why. (Mixtral at
+# (1, 512) was 58720256 bytes of reserved above the GPU from 2026-12-01 until the model mapped 20 MiB
+# segments in the driver's address order, top-down: lab_helpers.allocator.addresses.)
+KNOWN_DIFFERENCES = {}
 POINTS = [(family, batch, context) for family, (_, _, points) in FAMILIES.items() for batch, context in points]
 POINT_PARAMS = [pytest.param(*point, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENCES[point]))
                 if point in KNOWN_DIFFERENCES else point for point in POINTS]

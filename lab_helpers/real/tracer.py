@@ -17,8 +17,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lab_helpers.allocator.addresses import DriverAddresses
 from lab_helpers.allocator.budget import BudgetMixin, OutOfMemory
-from lab_helpers.allocator.model import AllocatorModel, LARGE_SEGMENT_BYTES
+from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core.numbers import MIB
 
 aten = torch.ops.aten
@@ -709,55 +710,20 @@ class AllocationTracer(TorchDispatchMode):
 
 
 class AddressedAllocator(AllocatorModel):
-    """AllocatorModel whose segments get addresses the way the CUDA driver was seen to give them.
-
-    Among free blocks of equal size the caching allocator takes the lowest address. On the
-    H200 (driver 580, CUDA 13.0), segments above 20 MiB were mapped top-down, each below the
-    last, while 2 MiB and 20 MiB segments were mapped bottom-up: so among large free blocks
-    of equal size the newest segment's is taken first. The last segment above 20 MiB that a
-    model's load maps (the one its transient lm_head buffer leaves free, where the cuBLAS
-    workspace and the key/value cache then land) was mapped below every 20 MiB segment, so
-    here every segment above 20 MiB lies below the 20 MiB ones and wins a tie with them (the
-    driver put the very first one, mapped when no other existed, among the 20 MiB segments)."""
-
-    # segments above 20 MiB grow down from here, 2 MiB and 20 MiB segments up from here
-    TOP = 0
+    """AllocatorModel whose segments get addresses the way the CUDA driver was seen to map them
+    (lab_helpers.allocator.addresses): among free blocks of equal size the caching allocator takes
+    the lowest address, so the order of the segments decides which one a request lands in."""
 
     def __init__(self):
         super().__init__()
-        self.top = self.TOP
-        self.holes = []  # (start, size) of address ranges given back by released large segments
+        self.addresses = DriverAddresses()
 
     def segment_address(self, segment_bytes: int, request_bytes: int) -> int:
-        if segment_bytes <= LARGE_SEGMENT_BYTES:
-            return super().segment_address(segment_bytes, request_bytes)
-        start = self._take_hole(segment_bytes)
-        if start is None:
-            self.top -= segment_bytes
-            start = self.top
-        return start
-
-    def _take_hole(self, size: int):
-        """Top-down: the highest released range that fits, at its top end."""
-        fitting = [h for h in self.holes if h[1] >= size]
-        if not fitting:
-            return None
-        hole = max(fitting)
-        self.holes.remove(hole)
-        if hole[1] > size:
-            self.holes.append((hole[0], hole[1] - size))
-        return hole[0] + hole[1] - size
+        return self.addresses.map(segment_bytes)
 
     def give_back(self, block) -> None:
-        """Record the address range of a released large segment, merged with its neighbours."""
-        if block.size <= LARGE_SEGMENT_BYTES:
-            return
-        start, end = block.address, block.address + block.size
-        for hole in list(self.holes):
-            if hole[0] + hole[1] == start or hole[0] == end:
-                self.holes.remove(hole)
-                start, end = min(start, hole[0]), max(end, hole[0] + hole[1])
-        self.holes.append((start, end - start))
+        """A released segment's address range, mapped again by a later segment."""
+        self.addresses.release(block.address, block.size)
 
 
 class CappedAllocator(BudgetMixin, AddressedAllocator):

@@ -1,0 +1,69 @@
+"""Where the CUDA driver maps a new segment: the address order that the caching allocator's ties follow.
+
+Among free blocks of equal size the caching allocator takes the lowest address (best fit, then
+address), so which of two segments a request lands in depends on where the driver mapped them.
+Seen in the memory history of fine-tuning and inference runs on an NVIDIA H200 (driver 580.159.04,
+CUDA 13.0, torch 2.11.0+cu130, 2026-12-02):
+
+- the driver hands out virtual addresses in granules of 32 MiB, each new granule below the last;
+- a segment of a granule or more takes whole granules (2004 MiB takes 2016, 112 MiB takes 128);
+- a smaller one (2 MiB, 16 MiB, 20 MiB) goes to the lowest granule with room left by an earlier
+  smaller one, at the bottom of that room, or else starts a new granule at its bottom.
+
+So a 20 MiB segment mapped later lies below an earlier one, and the 2 MiB segments mapped after it
+fill its granule, below every 2 MiB segment mapped before. Absolute addresses differ (the CUDA
+context and cuBLAS map memory of their own): only the order matters here. A released range is
+mapped again: whole granules top-down from the highest hole that fits, a smaller segment's range as
+room of its granule.
+"""
+
+GRANULE_BYTES = 32 * 2**20
+
+
+class DriverAddresses:
+    """The address of each new segment (`map`) and of each released one (`release`)."""
+
+    def __init__(self):
+        self.top = 0  # the lowest granule mapped so far starts here; new ones go below it
+        self.room = []  # [start, end] of the unused part of partly used granules
+        self.holes = []  # (start, size) of released runs of whole granules
+
+    def map(self, segment_bytes: int) -> int:
+        if segment_bytes < GRANULE_BYTES:
+            fitting = [r for r in self.room if r[1] - r[0] >= segment_bytes]
+            if fitting:
+                room = min(fitting)
+                start = room[0]
+                room[0] += segment_bytes
+                return start
+            self.top -= GRANULE_BYTES
+            self.room.append([self.top + segment_bytes, self.top + GRANULE_BYTES])
+            return self.top
+        size = -(-segment_bytes // GRANULE_BYTES) * GRANULE_BYTES
+        start = self._take_hole(size)
+        if start is None:
+            self.top -= size
+            start = self.top
+        return start
+
+    def release(self, address: int, segment_bytes: int) -> None:
+        if segment_bytes < GRANULE_BYTES:
+            self.room.append([address, address + segment_bytes])
+            return
+        start, end = address, address + -(-segment_bytes // GRANULE_BYTES) * GRANULE_BYTES
+        for hole in list(self.holes):
+            if hole[0] + hole[1] == start or hole[0] == end:
+                self.holes.remove(hole)
+                start, end = min(start, hole[0]), max(end, hole[0] + hole[1])
+        self.holes.append((start, end - start))
+
+    def _take_hole(self, size: int):
+        """Top-down: the highest released run that fits, at its top end."""
+        fitting = [h for h in self.holes if h[1] >= size]
+        if not fitting:
+            return None
+        hole = max(fitting)
+        self.holes.remove(hole)
+        if hole[1] > size:
+            self.holes.append((hole[0], hole[1] - size))
+        return hole[0] + hole[1] - size
