@@ -3,7 +3,8 @@
 bfloat16 weights, with and without gradient checkpointing, and LoRA), and the acceptance table of
 three real families (Llama, Qwen3, GPT-NeoX), each cut to 2 layers (widths, heads and vocabulary
 kept), at four (batch, context) points, for full AdamW, LoRA rank 8 and full AdamW with gradient
-checkpointing: 36 runs of 3 optimizer steps, 14 records each; and QLoRA on llama-3.1-8b cut to 2 layers
+checkpointing: 36 runs of 3 optimizer steps, 14 records each; the same families with float32 weights under
+bfloat16 autocast at (1, 128) and (2, 512), the same three modes (18 runs); and QLoRA on llama-3.1-8b cut to 2 layers
 (nf4-double, rank 8) at three points, allocated asserted exact at every phase's start and end.
 
     ITERAGPU_TEST_DEVICE=cuda:0 python3 -m pytest -o addopts= -m gpu tests/test_gpu_train.py
