@@ -270,13 +270,8 @@ RESERVED_WITHIN_BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("point", POINTS, ids=[f"{b}x{t}" for b, t in POINTS])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_acceptance_table(acceptance, request, family, point, mode):
-    known = RESERVED_WITHIN_BOUNDS.get((family, point, mode))
-    if known and STRICT:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"measured on the H200: {known}"))
+def check_run(acceptance, family: str, point: tuple, mode: str) -> None:
+    """One run of the table: every record reported, then within the bounds (exact under STRICT)."""
     outcome = acceptance[(family, point, mode)]
     if "skip" in outcome:
         pytest.skip(outcome["skip"])
@@ -285,31 +280,7 @@ def test_acceptance_table(acceptance, request, family, point, mode):
     rows = result["rows"]
     assert len(rows) == 2 + 4 * ACCEPTANCE_STEPS
     label = {"model": f"{family}, 2 layers", "batch": point[0], "context": point[1], "mode": mode,
-             "flags": list(MODES[mode])}
-    for row in rows:
-        report(label | row)
-    largest = {key: max((row[f"difference_{key}"] for row in rows), key=abs) for key in COUNTERS}
-    report(label | {"summary": True, "records": len(rows), "largest_difference": largest,
-                    "exact": all(v == 0 for v in largest.values()),
-                    "peak_allocated_worst_relative": result["peak_allocated_worst_relative"],
-                    "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
-           "train-acceptance-summary.jsonl")
-    assert bound_problems(rows) == []
-
-
-@pytest.mark.parametrize("mode", list(AUTOCAST_MODES))
-@pytest.mark.parametrize("point", AUTOCAST_POINTS, ids=[f"{b}x{t}" for b, t in AUTOCAST_POINTS])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_autocast_table(acceptance, family, point, mode):
-    outcome = acceptance[(family, point, mode)]
-    if "skip" in outcome:
-        pytest.skip(outcome["skip"])
-    assert "error" not in outcome, outcome.get("error")
-    result = outcome["compare"]
-    rows = result["rows"]
-    assert len(rows) == 2 + 4 * ACCEPTANCE_STEPS
-    label = {"model": f"{family}, 2 layers", "batch": point[0], "context": point[1], "mode": mode,
-             "flags": list(AUTOCAST_MODES[mode])}
+             "flags": list({**MODES, **AUTOCAST_MODES}[mode])}
     for row in rows:
         report(label | row)
     largest = {key: max((row[f"difference_{key}"] for row in rows), key=abs) for key in COUNTERS}
@@ -319,6 +290,23 @@ def test_autocast_table(acceptance, family, point, mode):
                     "peak_reserved_worst_relative": result["peak_reserved_worst_relative"]},
            "train-acceptance-summary.jsonl")
     assert bound_problems(rows) == [], difference_table(rows)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("point", POINTS, ids=[f"{b}x{t}" for b, t in POINTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_acceptance_table(acceptance, request, family, point, mode):
+    known = RESERVED_WITHIN_BOUNDS.get((family, point, mode))
+    if known and STRICT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"measured on the H200: {known}"))
+    check_run(acceptance, family, point, mode)
+
+
+@pytest.mark.parametrize("mode", list(AUTOCAST_MODES))
+@pytest.mark.parametrize("point", AUTOCAST_POINTS, ids=[f"{b}x{t}" for b, t in AUTOCAST_POINTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_table(acceptance, family, point, mode):
+    check_run(acceptance, family, point, mode)
 
 
 # ------------------------------------------------------------------------------------- QLoRA
