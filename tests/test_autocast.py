@@ -156,3 +156,48 @@ def test_a_training_prediction_under_autocast_holds_the_weight_copies_after_forw
     assert runs["bfloat16"]["configuration"]["autocast"] == "bfloat16"
     assert "autocast" not in runs[None]["configuration"]
     assert AUTOCAST_NOTE in runs["bfloat16"]["notes"]
+    from lab_helpers.real.train_commands import train_prediction_table
+    assert "full fine-tuning, adamw (foreach), bfloat16 autocast" in train_prediction_table(runs["bfloat16"])
+    assert "autocast" not in train_prediction_table(runs[None]).splitlines()[0]
+
+
+def _tiny_llama():
+    from lab_helpers.real.config import parse_config
+    raw = json.loads((ROOT / "data" / "models" / "llama-3.1-8b.json").read_text())
+    raw.update(num_hidden_layers=1, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000)
+    raw.pop("head_dim", None)
+    return raw, parse_config(raw, "tiny-llama")
+
+
+def test_fit_task_train_under_autocast_finds_a_batch_that_fits_whose_next_does_not(tmp_path, capsys):
+    """The budget is the autocast run's own peak at batch 4: that batch fits, and the search's answer
+    is a batch that fits whose next does not; the answer and its table name the autocast."""
+    from dataclasses import replace
+
+    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.real.train import TrainSpec, predict_training_model
+    from lab_helpers.real.train_fit import fit_training
+    from lab_helpers.real_model import main
+    raw, shape = _tiny_llama()
+    spec = TrainSpec(shape.name, dtype="float32", batch=4, context=16, steps=2, autocast="bfloat16")
+    budget = predict_training_model(shape, spec)["overall"]["peak_reserved_bytes"]
+
+    def fits(batch):
+        try:
+            predict_training_model(shape, replace(spec, batch=batch), budget)
+        except OutOfMemory:
+            return False
+        return True
+
+    result = fit_training(shape, spec, budget, "test", context=16)
+    largest = result["largest_batch_at_context"]
+    assert result["autocast"] == "bfloat16" and fits(4)
+    assert largest >= 1 and fits(largest) and not fits(largest + 1)
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(raw))
+    code = main(["fit", "--task", "train", "--config", str(config), "--dtype", "float32", "--autocast", "bfloat16",
+                 "--context", "16", "--memory-bytes", str(budget), "--format", "table"])
+    out = capsys.readouterr().out
+    assert code == 0 and "training: full fine-tuning, adamw, bfloat16 autocast" in out
+    assert f"largest batch at context 16: {largest}" in out

@@ -104,7 +104,8 @@ def format_train_card(result: dict) -> str:
     what = f"{c['train']} fine-tuning" + (f" on the {c['quantize']} base" if "quantize" in c else "")
     run = (f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, {what}, "
            f"{c['optimizer']}" + (" fused" if c["fused"] else "")
-           + (", gradient checkpointing" if c["gradient_checkpointing"] else ""))
+           + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
+           + (f", {c['autocast']} autocast" if "autocast" in c else ""))
     return card_fit_table(result, run, [f"Degrees: {result['degree_rule']}."],
                           [f"Fits: {result['criterion']}."])
 

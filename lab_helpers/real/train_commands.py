@@ -158,7 +158,8 @@ def train_fit_table(result: dict) -> str:
     lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
              f"training: {result['train']} fine-tuning"
              + (f" on the {result['quantize']} base" if "quantize" in result else "") + f", {result['optimizer']}"
-             + (", gradient checkpointing" if result["gradient_checkpointing"] else "")]
+             + (", gradient checkpointing" if result["gradient_checkpointing"] else "")
+             + (f", {result['autocast']} autocast" if "autocast" in result else "")]
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
                      + (f"fits, peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
@@ -193,7 +194,8 @@ def train_prediction_table(result: dict) -> str:
     return "\n".join([
         f"training prediction: {c['config_name']}, {c['dtype']}, batch {c['batch']}, context {c['context']}, "
         f"{c['steps']} steps, {c['train']} fine-tuning, {c['optimizer']} ({result['optimizer']['implementation']})"
-        + (", gradient checkpointing" if c["gradient_checkpointing"] else ""),
+        + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
+        + (f", {c['autocast']} autocast" if "autocast" in c else ""),
         text_table(header, rows),
         f"overall peak: {format_bytes(result['overall']['peak_allocated_bytes'])} allocated, "
         f"{format_bytes(result['overall']['peak_reserved_bytes'])} reserved",

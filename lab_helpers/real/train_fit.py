@@ -51,6 +51,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
         "config_name": shape.name, "task": "train", "train": base.train, "dtype": base.dtype,
         "optimizer": base.optimizer, "fused": base.fused, "gradient_checkpointing": base.gradient_checkpointing,
         **({"quantize": base.quantize} if base.quantize else {}),  # --train qlora's 4-bit base
+        **({"autocast": base.autocast} if base.autocast else {}),  # float32 weights, the forward under autocast
         "budget_bytes": budget_bytes, "budget_source": budget_source,
         "criterion": TRAIN_FIT_CRITERION,
     }
