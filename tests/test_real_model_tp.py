@@ -394,6 +394,9 @@ def phase(name, action, index, recorded):
 run_protocol(shape, spec, torch.device("cpu"), phase,
              mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
 os.write(1, (json.dumps({"rank": dist.get_rank(), **seen}) + "\n").encode())  # one write: the ranks share stdout
+# both ranks done before either tears gloo down: on a loaded machine a rank that destroyed its group
+# while the other still ran aborted once ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
 """
 
