@@ -48,7 +48,11 @@ class DriverAddresses:
 
     def release(self, address: int, segment_bytes: int) -> None:
         if segment_bytes < GRANULE_BYTES:
-            self.room.append([address, address + segment_bytes])
+            start, end = address, address + segment_bytes
+            for room in [r for r in self.room if r[0] == end or r[1] == start]:  # contiguous: one room
+                self.room.remove(room)
+                start, end = min(start, room[0]), max(end, room[1])
+            self.room.append([start, end])
             return
         start, end = address, address + -(-segment_bytes // GRANULE_BYTES) * GRANULE_BYTES
         for hole in list(self.holes):
