@@ -4,7 +4,10 @@ load and forward, with the code that asked for it.
     python benchmarks/bnb_probe.py OUT.json CONFIG LAYERS QUANT [BATCH CONTEXT NEW_TOKENS]
 
 CONFIG is a bundled name (data/models/NAME.json), cut to LAYERS decoder layers; QUANT is nf4,
-nf4-double, fp4 or int8. A random bfloat16 checkpoint is saved with save_pretrained (CPU, before
+nf4-double, fp4, int8 (LLM.int8(), bitsandbytes' default outlier threshold 6.0), int8-threshold-0 (no
+outlier column: the lab's --quantize int8-threshold-0) or int8-every (the
+threshold at 1e-6: every column of every product's input holds an outlier, the most LLM.int8()
+allocates whatever the data). A random bfloat16 checkpoint is saved with save_pretrained (CPU, before
 anything touches the GPU), then loaded as users load one for QLoRA: from_pretrained with a
 BitsAndBytesConfig and device_map on the GPU; then the prompt, a prefill and NEW_TOKENS decode
 steps. OUT.json holds the allocator's memory history (each alloc and free with its size and up
@@ -35,6 +38,10 @@ folder = tempfile.mkdtemp()
 AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
 if quant == "int8":
     qc = BitsAndBytesConfig(load_in_8bit=True)
+elif quant == "int8-threshold-0":
+    qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+elif quant == "int8-every":
+    qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=1e-6)
 else:
     qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant.split("-")[0],
                             bnb_4bit_use_double_quant=quant.endswith("-double"),
@@ -59,6 +66,15 @@ counters("start")
 model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc, device_map={"": dev},
                                              dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 counters("model_load")
+# (input columns, outlier columns) of each 8-bit product, read from the layer's state after it ran:
+# no allocation, so the memory history is the run's own
+outliers = []
+if quant.startswith("int8"):
+    import bitsandbytes as bnb  # noqa: E402
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            module.register_forward_hook(lambda m, i, o: outliers.append(
+                (m.in_features, -1 if m.state.idx is None else m.state.idx.numel())))
 g = torch.Generator(device=dev).manual_seed(0)
 ids = torch.randint(0, config.vocab_size, (batch, context), device=dev, generator=g)
 counters("inputs")
@@ -89,4 +105,4 @@ with open(out_path, "w") as f:
                    versions=dict(torch=torch.__version__, transformers=transformers.__version__,
                                  bitsandbytes=bitsandbytes.__version__, cuda=torch.version.cuda,
                                  device=torch.cuda.get_device_name(0)),
-                   stats=stats, events=events), f)
+                   stats=stats, events=events, outliers=outliers), f)

@@ -18,8 +18,10 @@ TRAIN_STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 TRAIN_OPTIMIZERS = ("adamw", "sgd")
-# --quantize: bitsandbytes' 4-bit type, "-double" when the absmax is quantized again
-QUANTIZE_KINDS = ("nf4", "nf4-double", "fp4", "fp4-double")
+# --quantize: bitsandbytes' 4-bit type, "-double" when the absmax is quantized again (QLoRA's base);
+# or 8-bit weights, LLM.int8() with its outlier threshold at 0 (every column computed in 8 bits)
+FOUR_BIT_KINDS = ("nf4", "nf4-double", "fp4", "fp4-double")
+QUANTIZE_KINDS = FOUR_BIT_KINDS + ("int8-threshold-0",)
 
 
 MAX_TRAIN_STEPS = 1000
@@ -189,7 +191,7 @@ MEASUREMENT_SCHEMA = {
                 "optimizer": {"enum": list(TRAIN_OPTIMIZERS)},
                 "fused": {"type": "boolean"},
                 "train": {"enum": ["full", "lora", "qlora"]},
-                "quantize": {"enum": list(QUANTIZE_KINDS)},  # --train qlora's 4-bit base
+                "quantize": {"enum": list(FOUR_BIT_KINDS)},  # --train qlora's 4-bit base
                 "autocast": {"enum": ["bfloat16"]},  # float32 weights, the forward under bfloat16 autocast
                 "lora_rank": {"type": "integer", "minimum": 1},
                 "lora_targets": {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},

@@ -4,7 +4,8 @@ bitsandbytes (pinned 0.50.2) defines its operators with torch.library; on meta t
 kernels make the outputs alone, while the CUDA kernels (bitsandbytes/backends/cuda/ops.py) are
 Python functions that allocate through the caching allocator before calling the library's C
 code. `run_kernel` makes, in the tracer's mode, the tensors each CUDA kernel makes, in its
-order, so that the trace sees what the GPU's allocator sees. The 4-bit product chooses between
+order, so that the trace sees what the GPU's allocator sees (the 8-bit kernels: int8 values and
+row scales, the int32 product, its float16 dequantization and cast). The 4-bit product chooses between
 a fused kernel and dequantize-then-linear by bitsandbytes' own per-device rule,
 `_gemm_4bit_use_custom_cuda`: its CUDA module cannot be imported without CUDA, so the rule is
 compiled from the installed bitsandbytes' source and asked about the predicted device."""
@@ -96,7 +97,47 @@ def _gemm_4bit(tracer, A, B, shapeB, absmax, blocksize, quant_type, bias=None, a
     return out
 
 
+def _int8_vectorwise_quant(tracer, A, threshold=0.0):
+    if threshold != 0.0:
+        # the held-back columns are found from A's values (lab_helpers.real.quantized)
+        raise LabError("bitsandbytes' int8_vectorwise_quant with an outlier threshold depends on the values; "
+                       "only threshold 0 is modelled")
+    rows = A.numel() // A.shape[-1]
+    row_stats = _empty((rows,), torch.float32)
+    out_row = _empty(A.shape, torch.int8)
+    return out_row, row_stats, None
+
+
+def _int8_linear_matmul(tracer, A, B):
+    out = _empty((*A.shape[:-1], B.shape[0]), torch.int32)
+    if A.shape[-1] % 4 != 0:
+        # cuBLASLt's int8 product needs an inner size divisible by 4: bitsandbytes computes in float32
+        # and copies into the int32 output
+        result = torch.matmul(A.float(), B.float().t()).to(torch.int32)
+        out.copy_(result)
+        del result
+    return out
+
+
+def _int8_mm_dequant(tracer, A, row_stats, col_stats, dtype=None, bias=None):
+    # the kernel writes float16 only; a bias of another dtype is added after, then the cast
+    out = torch.empty_like(A, dtype=torch.float16)
+    if bias is not None and bias.dtype != torch.float16:
+        out.add_(bias)
+    return out.to(dtype or torch.float16)
+
+
+def _int8_scaled_mm(tracer, A, B, row_stats, col_stats, bias=None, dtype=None):
+    out_i32 = torch.ops.bitsandbytes.int8_linear_matmul.default(A, B)
+    return torch.ops.bitsandbytes.int8_mm_dequant.default(out_i32, row_stats, col_stats,
+                                                         dtype=dtype or torch.float16, bias=bias)
+
+
 KERNELS = {
+    "int8_vectorwise_quant.default": _int8_vectorwise_quant,
+    "int8_linear_matmul.default": _int8_linear_matmul,
+    "int8_mm_dequant.default": _int8_mm_dequant,
+    "int8_scaled_mm.default": _int8_scaled_mm,
     "quantize_4bit.default": _quantize_4bit,
     "quantize_blockwise.default": _quantize_blockwise,
     "dequantize_blockwise.default": _dequantize_blockwise,

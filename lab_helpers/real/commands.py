@@ -43,6 +43,10 @@ from lab_helpers.real.train_commands import (add_model_train_flags, compare_trai
                                              fit_train_command, measure_train_model_command,
                                              predict_train_model_command, refuse_model_train_flags)
 
+# int8 is accepted by the parser so that check_quantization refuses it with its reason, not argparse
+QUANTIZE_CHOICES = (*QUANTIZATIONS, "int8")
+
+
 COMMANDS = {
     "predict": "per-phase allocated and reserved bytes, no GPU needed",
     "measure": "measure every phase on a CUDA GPU (never the CPU)",
@@ -77,11 +81,13 @@ def add_run_flags(parser, sizes_required=True) -> None:
                         help="split the model across N GPUs with transformers' tensor-parallel plan; figures are "
                              "per rank (default 1: one GPU)")
     parser.add_argument("--allocator-conf", metavar="SETTINGS", help=ALLOCATOR_CONF_HELP)
-    parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default=None,
-                        help="load the weights as bitsandbytes quantizes them to 4 bits while loading (QLoRA's "
-                             "base; -double also quantizes the absmax): from_pretrained with a BitsAndBytesConfig "
-                             "computing in --dtype; one GPU; with --task train, --train qlora trains LoRA adapters "
-                             "on it")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None, metavar="KIND",
+                        help="load the weights as bitsandbytes quantizes them while loading: from_pretrained with "
+                             "a BitsAndBytesConfig computing in --dtype, one GPU. nf4 and fp4: 4 bits (QLoRA's "
+                             "base; -double also quantizes the absmax; with --task train, --train qlora trains "
+                             "LoRA adapters on it). int8-threshold-0: 8 bits, LLM.int8() with "
+                             "llm_int8_threshold=0.0 (int8 is refused: at its default threshold the bytes depend "
+                             "on the activations' values). One of: " + ", ".join(QUANTIZE_CHOICES))
 
 
 def quantized(shape, args):

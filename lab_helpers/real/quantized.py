@@ -11,22 +11,37 @@ absmax, offset and code). On a GPU the lab does exactly that from a random check
 first; on meta it runs the same steps with bitsandbytes' own quantization code, whose CUDA
 kernels' allocations lab_helpers.real.bnb_kernels makes for the tracer.
 
+8-bit weights (`int8-threshold-0`): the same load with transformers' 8-bit quantizer, each weight
+copied to the GPU in float16 and quantized row by row (int8 values, a float32 scale per row). The
+product quantizes its input the same way and multiplies in int8. Its outlier threshold is 0, so no
+column is held back: every allocation follows from the shapes. At bitsandbytes' default threshold
+(6.0) the columns held back in 16 bits are those where an input value reaches the threshold: their
+number, and so the product's bytes, depend on the activations' values, and the caching allocator's
+reserved bytes are not monotone in it (docs/real-models.md), so that setting is refused.
+
 The warmup's size is modelled for a fresh process whose weights fit the card less 1.2 GiB
-(transformers caps the block there); 8-bit weights (LLM.int8()) are not modelled: their outlier
-columns are found from the values, so their bytes depend on the data."""
+(transformers caps the block there)."""
 import contextlib
 import logging
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.measurement.schema import QUANTIZE_KINDS
+from lab_helpers.measurement.schema import FOUR_BIT_KINDS, QUANTIZE_KINDS
 
-# --quantize: bitsandbytes' 4-bit type and whether the absmax is quantized again
-QUANTIZATIONS = {kind: (kind.removesuffix("-double"), kind.endswith("-double")) for kind in QUANTIZE_KINDS}
+# --quantize: bitsandbytes' 4-bit type and whether the absmax is quantized again; None for 8 bits
+QUANTIZATIONS = {kind: ((kind.removesuffix("-double"), kind.endswith("-double")) if kind in FOUR_BIT_KINDS else None)
+                 for kind in QUANTIZE_KINDS}
+INT8_KIND = "int8-threshold-0"
 QUANTIZED_DTYPES = ("bfloat16", "float16", "float32")
+INT8_REFUSAL = ("--quantize int8 (LLM.int8() at bitsandbytes' default outlier threshold 6.0) is not predicted: the "
+                "columns it computes in 16 bits are those where an activation reaches the threshold, so its bytes "
+                "depend on the values; --quantize int8-threshold-0 (llm_int8_threshold=0.0, every column in "
+                "8 bits) is predicted exactly")
 
 
 def check_quantization(kind: str, dtype: str, tensor_parallel: int) -> None:
     """LabError unless `kind` (a --quantize value) can be predicted and measured with `dtype`."""
+    if kind == "int8":
+        raise LabError(INT8_REFUSAL)
     if kind not in QUANTIZATIONS:
         raise LabError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     if dtype not in QUANTIZED_DTYPES:
@@ -40,6 +55,8 @@ def bitsandbytes_config(kind: str, dtype: str):
     """The BitsAndBytesConfig of `kind`, computing in `dtype` (bnb_4bit_compute_dtype)."""
     import torch
     from transformers import BitsAndBytesConfig
+    if kind == INT8_KIND:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
     quant_type, double = QUANTIZATIONS[kind]
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
                               bnb_4bit_compute_dtype=getattr(torch, dtype))
@@ -56,8 +73,14 @@ def quiet_bitsandbytes_cpu_notice() -> None:
     logging.getLogger(BITSANDBYTES_CPU_LOGGER).setLevel(logging.ERROR)
 
 
+# bitsandbytes' 8-bit product warns at every call that it casts a bfloat16 input to float16: what the
+# GPU does too, and traced; on meta the line would repeat for every product of the prediction
+BITSANDBYTES_PRODUCT_LOGGER = "bitsandbytes.autograd._functions"
+
+
 def _import_bitsandbytes():
     quiet_bitsandbytes_cpu_notice()
+    logging.getLogger(BITSANDBYTES_PRODUCT_LOGGER).setLevel(logging.ERROR)
     try:
         import bitsandbytes
     except ModuleNotFoundError:
@@ -70,9 +93,11 @@ def quantized_skeleton(hf_config, dtype: str, kind: str):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+    from transformers.quantizers.quantizer_bnb_8bit import Bnb8BitHfQuantizer
     _import_bitsandbytes()
     # quantized while loading, as from a checkpoint of plain weights (not a pre-quantized one)
-    quantizer = Bnb4BitHfQuantizer(bitsandbytes_config(kind, dtype), pre_quantized=False)
+    quantizer_class = Bnb8BitHfQuantizer if kind == INT8_KIND else Bnb4BitHfQuantizer
+    quantizer = quantizer_class(bitsandbytes_config(kind, dtype), pre_quantized=False)
     from transformers.modeling_utils import local_torch_dtype
     # from_pretrained builds and converts the model under the load's default dtype: the Linear4bit
     # weights that replace the linear layers are made in it
@@ -114,7 +139,9 @@ def load_on_meta(model, quantizer):
             value = torch.empty(tuple(old.shape)[::-1], dtype=old.dtype, device=meta).T
         else:
             value = torch.empty(tuple(old.shape), dtype=old.dtype, device=meta)
-        if quantize:
+        if quantize and isinstance(old, bnb.nn.Int8Params):
+            new = _int8_quantized(bnb, value, old)
+        elif quantize:
             new = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
             # Params4bit.to(device) quantizes on any device but meta; this is the step it runs
             new._quantize(meta)
@@ -131,6 +158,23 @@ def load_on_meta(model, quantizer):
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
     return model
+
+
+def _int8_quantized(bnb, value, old):
+    """transformers' Bnb8bitQuantize on meta: the checkpoint's tensor, on the GPU, goes to the CPU, and
+    Int8Params.to(GPU) copies it back in float16 (a copy even from float16: it crosses devices) and
+    quantizes that copy row by row (bitsandbytes' int8_vectorwise_quant, threshold 0: the int8 values,
+    then a float32 scale per row); the copy is freed as _quantize returns, the checkpoint's tensor
+    after."""
+    import torch
+    kwargs = dict(old.__dict__)
+    kwargs.pop("SCB", None)
+    copy = torch.empty(tuple(value.shape), dtype=torch.float16, device="meta")
+    CB, SCB, _ = bnb.functional.int8_vectorwise_quant(copy)
+    del copy
+    new = bnb.nn.Int8Params(CB, requires_grad=False, **kwargs)
+    new.CB, new.SCB = CB, SCB
+    return new
 
 
 @contextlib.contextmanager

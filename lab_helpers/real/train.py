@@ -17,6 +17,7 @@ from lab_helpers.measurement.protocol import run_phase
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
 from lab_helpers.real.config import ModelShape, parse_config
 from lab_helpers.real.protocol import check_cuda, run_protocol
+from lab_helpers.measurement.schema import FOUR_BIT_KINDS
 from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization, quiet_bitsandbytes_cpu_notice
 from lab_helpers.real.spec import COUNTER_KEYS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, RunSpec, model_description
 
@@ -103,13 +104,16 @@ class TrainSpec:
         elif self.lora_rank is not None or self.lora_targets is not None:
             raise LabError("--lora-rank and --lora-targets need --train lora or qlora")
         if self.train == "qlora" and self.quantize is None:
-            raise LabError(f"--train qlora needs --quantize ({', '.join(QUANTIZATIONS)}): the 4-bit base it trains "
+            raise LabError(f"--train qlora needs --quantize ({', '.join(FOUR_BIT_KINDS)}): the 4-bit base it trains "
                            "adapters on")
         if self.train != "qlora" and self.quantize is not None:
             raise LabError(f"--quantize with --train {self.train}: 4-bit weights are frozen, QLoRA trains adapters "
                            "on them: use --train qlora")
         if self.quantize is not None:
             check_quantization(self.quantize, self.dtype, 1)
+            if QUANTIZATIONS[self.quantize] is None:
+                raise LabError(f"--train qlora on --quantize {self.quantize} is not predicted: QLoRA's base is one "
+                               f"of the 4-bit kinds ({', '.join(FOUR_BIT_KINDS)})")
         if self.autocast is not None:
             if self.autocast not in AUTOCAST_DTYPES:
                 raise LabError(f"--autocast must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
