@@ -25,8 +25,8 @@ the rest of the run is replayed request by request, as it would have been all al
 """
 from bisect import bisect_left
 
-from lab_helpers.allocator.model import (_ADDRESS_BIAS, _ADDRESS_BITS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES,
-                                         AllocatorModel, _Block)
+from lab_helpers.allocator.model import (ADDRESS_BIAS, ADDRESS_BITS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES,
+                                         AllocatorModel)
 
 rounded_bytes = AllocatorModel.round_size  # what the allocator hands out for a request
 
@@ -239,8 +239,8 @@ class DecodeReplayer:
         pools = alloc.free_blocks
         small_keys, small_blocks = pools[True].keys, pools[True].blocks
         large_keys, large_blocks = pools[False].keys, pools[False].blocks
-        shift, bias, min_block, small_max = _ADDRESS_BITS, _ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
-        block_type = _Block
+        shift, bias, min_block, small_max = ADDRESS_BITS, ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
+        block_type = None  # the allocator's block class, from the first block taken
         for is_malloc, e, d, r, position, smax in self.ops:
             if is_malloc:
                 request = e + j * d
@@ -261,6 +261,7 @@ class DecodeReplayer:
                     remaining = block.size - size
                     if remaining >= min_block if small else remaining > small_max:
                         after = block.next
+                        block_type = block_type or type(block)
                         rest = block_type(remaining, block.address + size, small, True, block, after)
                         if after is not None:
                             after.prev = rest
