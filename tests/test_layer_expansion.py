@@ -80,6 +80,32 @@ def test_an_expanded_run_equals_the_run_traced_on_every_layer(name, layers, chan
         assert fast.persistent == full.persistent and fast.decode_steps == full.decode_steps
 
 
+# (config, layers, changes, tensor parallel): one session traces runs of several sizes one after another,
+# its two smaller models sharing one cache of meta kernels' output layouts (LayerExpansion.layouts)
+SHARED_CASES = [
+    ("llama-3.1-8b", 9, {"vocab_size": 1000}, 1),
+    ("qwen3-30b-a3b", 8, {"vocab_size": 1006}, 2),
+    ("gpt2", 8, {}, 1),
+    ("mistral-7b-v0.1", 8, {"sliding_window": 64, "vocab_size": 777}, 1),
+]
+
+
+@pytest.mark.parametrize("name, layers, changes, degree", SHARED_CASES)
+def test_runs_traced_in_one_session_equal_runs_each_traced_in_a_fresh_one(name, layers, changes, degree):
+    shape = shape_of(name, layers, **changes)
+    sizes = [(2, 37), (2, 38), (1, 37), (3, 70), (2, 39)]
+    with fake_process_group(0, degree) if degree > 1 else nullcontext() as mesh:
+        session = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None), expand=False, expand_layers=True)
+        for batch, context in sizes:
+            run = session.run(batch, context, 3, mesh)
+            fresh = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None), expand=False,
+                                 expand_layers=True).run(batch, context, 3, mesh)
+            assert (run.phases, run.persistent, run.decode_steps) == (fresh.phases, fresh.persistent,
+                                                                      fresh.decode_steps)
+    assert session.layer_expanded == [(b, t, 3) for b, t in sizes]
+    assert session._layers.layouts  # filled by the first run, read by the next ones
+
+
 # (config, layers, changes, batch, context, new tokens, tensor parallel): predictions with the decode steps
 # extended (the default path) and layers expanded or traced whole
 DOCUMENT_CASES = [

@@ -285,6 +285,33 @@ def test_bulk_decode_steps_equal_every_step_replayed_under_every_budget(changes)
     assert resumed > 10 and failed > 10
 
 
+@pytest.mark.parametrize("changes", [{}, {"growth": 3 * 2**15, "layers": 3}, {"token": 600, "small": (512, 70000)}])
+def test_bulk_steps_written_out_equal_bulk_steps_through_the_allocator_calls(changes, monkeypatch):
+    """DecodeReplayer's bulk steps with AllocatorModel's malloc and free written out against the same
+    steps through the allocator's calls (the path of an allocator that overrides them): the same
+    outcomes and the same bulk steps, unbounded and under budgets from the peak reserved down past
+    the peak allocated (releases refused mid-step, then request by request; out of memory)."""
+    from lab_helpers.real.decode_replay import DecodeReplayer
+    load, run = synthetic_run(150, **changes)
+    free = _outcome(load, run, None)
+    budgets = [None, *range(free["overall"]["peak_reserved_bytes"], free["overall"]["peak_allocated_bytes"] - 4 * MIB,
+                            -3 * MIB)]
+
+    def outcomes():
+        found = []
+        for budget in budgets:
+            stats = {}
+            found.append((_outcome(load, run, budget, stats), stats))
+        return found
+
+    written_out = outcomes()
+    with monkeypatch.context() as patch:
+        patch.setattr(DecodeReplayer, "_large_ops_inline", DecodeReplayer._large_ops)
+        assert outcomes() == written_out
+    assert sum(stats["resumed"] > 0 for _, stats in written_out) > 3
+    assert all(stats["bulk_steps"] > 0 for _, stats in written_out)
+
+
 def test_a_per_phase_budget_replays_the_same_on_both_paths():
     """compare's budgets, one per phase: from decode step 10 on, no more than reserved was when step 10
     started, so a later step's new segment first releases the free cached ones, then runs out."""

@@ -94,6 +94,28 @@ def test_the_search_finds_what_trying_every_size_finds(seed):
     assert galloping(lambda v: Probe(fits(v)), high, BUDGET) == (truth, False)
 
 
+@pytest.mark.parametrize("seed", range(0, 400, 3))
+def test_peaks_given_later_change_no_probe_and_are_computed_only_when_read(seed):
+    """A Probe whose peaks come from `later` (fit: a run that does not fit, replayed again with no cap
+    only when the search reads its peaks): the same sizes probed, in the same order, and the same
+    answer as with the peaks given at once; each `later` called at most once."""
+    high, fits, reserved, allocated, truth, start = synthetic(seed)
+    runs = {}
+    for lazy in (False, True):
+        asked, later_calls = [], []
+
+        def probe(v):
+            asked.append(v)
+            if fits(v) or not lazy:
+                return Probe(fits(v), reserved(v), allocated(v))
+            return Probe(False, later=lambda: later_calls.append(v) or (reserved(v), allocated(v)))
+
+        runs[lazy] = (largest_fitting(probe, high, BUDGET, start), asked, later_calls)
+    assert runs[True][:2] == runs[False][:2]
+    later_calls, failed = runs[True][2], [v for v in runs[True][1] if not fits(v)]
+    assert len(later_calls) == len(set(later_calls)) and set(later_calls) <= set(failed)
+
+
 @pytest.mark.parametrize("high,start,truth", [(0, None, 0), (1, None, 0), (1, None, 1), (1, 1, 1), (1, 1, 0),
                                               (5, 9, 3), (5, 0, 5), (64, 64, 64), (64, 64, 63), (64, 1, 0)])
 def test_the_edges_of_the_range(high, start, truth):
@@ -164,6 +186,39 @@ def test_fit_finds_a_boundary_and_agrees_with_the_galloping_search_where_fitting
         after = (b, t + 1) if key == "largest_context_at_batch" else (b + 1, t)
         assert size > 0 and fits(b, t) and not fits(*after)
     assert json.dumps(new, sort_keys=True) == json.dumps(old, sort_keys=True)
+
+
+def _eager_fits(shape, spec, budget, loaded):
+    """fit's _fits as it was: a run that does not fit replayed again with no cap at once."""
+    found = _lazy_fits(shape, spec, budget, loaded)
+    if "uncapped" in found:
+        reserved, allocated = found.pop("uncapped")()
+        found["peak_reserved_bytes"], found["peak_allocated_bytes"] = reserved, allocated
+    return found
+
+
+_lazy_fits = fit_module._fits
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fit_replays_a_run_that_does_not_fit_with_no_cap_only_when_its_peaks_are_read(case, monkeypatch):
+    """The fit documents of fit's search are the same, byte for byte, whether the uncapped replay of a
+    probe that does not fit runs at once or only when the search reads its peaks."""
+    from lab_helpers.real.predict import predict_model
+    from lab_helpers.real.spec import RunSpec
+    name, new_tokens, batch, context, degree, slack = CASES[case]
+    shape = parse_config(reduced(name, vocab_size=1000 + 1000 * case), name)
+    point = RunSpec(shape.name, batch=batch or 2, context=context, new_tokens=new_tokens,
+                    decode_record_every=new_tokens, tensor_parallel=degree)
+    budget = predict_model(shape, point, trace_cache=TraceCache(None))["overall"]["peak_reserved_bytes"] + slack
+    documents = []
+    for fits in (_lazy_fits, _eager_fits):
+        with monkeypatch.context() as patch:
+            patch.setattr(fit_module, "_fits", fits)
+            documents.append(json.dumps(fit_model(shape, "bfloat16", new_tokens, budget, "test", batch=batch,
+                                                  context=context, tensor_parallel=degree,
+                                                  trace_cache=TraceCache(None)), sort_keys=True))
+    assert documents[0] == documents[1]
 
 
 def test_fit_task_train_finds_a_boundary_where_the_galloping_search_does(monkeypatch):

@@ -70,12 +70,12 @@ class _Block:
 
 # A pool's free blocks are kept sorted by one integer key, size then address, so that best fit
 # (the smallest block that fits, then the lowest address) is one bisection.
-_ADDRESS_BITS = 62
-_ADDRESS_BIAS = 2**61  # addresses lie in [-2^61, 2^61): segments grow up from 0, or down from 0
+ADDRESS_BITS = 62
+ADDRESS_BIAS = 2**61  # addresses lie in [-2^61, 2^61): segments grow up from 0, or down from 0
 
 
 def _pool_key(block: _Block) -> int:
-    return (block.size << _ADDRESS_BITS) | (block.address + _ADDRESS_BIAS)
+    return (block.size << ADDRESS_BITS) | (block.address + ADDRESS_BIAS)
 
 
 class FreePool:
@@ -106,14 +106,14 @@ class FreePool:
         """Remove and return the smallest free block of at least `size` bytes, the lowest address
         among equal sizes; None when no block is that large."""
         keys = self.keys
-        i = bisect_left(keys, size << _ADDRESS_BITS)
+        i = bisect_left(keys, size << ADDRESS_BITS)
         if i == len(keys):
             return None
         del keys[i]
         return self.blocks.pop(i)
 
     def has_fit(self, size: int) -> bool:
-        return bool(self.keys) and self.keys[-1] >= size << _ADDRESS_BITS
+        return bool(self.keys) and self.keys[-1] >= size << ADDRESS_BITS
 
 
 class AllocatorModel:
@@ -216,7 +216,7 @@ class AllocatorModel:
         small_keys, small_blocks = pools[True].keys, pools[True].blocks
         large_keys, large_blocks = pools[False].keys, pools[False].blocks
         malloc, block_type = self.malloc, _Block
-        shift, bias, min_block, small_max = _ADDRESS_BITS, _ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
+        shift, bias, min_block, small_max = ADDRESS_BITS, ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
         # the counters live in locals between two calls of the general path
         allocated, peak = self.allocated, self.peak_allocated
         for event in events:

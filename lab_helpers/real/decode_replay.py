@@ -23,7 +23,10 @@ segments too: there the replay stops being bulk. The small pool is brought to th
 the rest of the run is replayed request by request, as it would have been all along
 (tests/test_replay.py compares the documents byte for byte). Standard library only.
 """
-from lab_helpers.allocator.model import MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES, AllocatorModel
+from bisect import bisect_left
+
+from lab_helpers.allocator.model import (ADDRESS_BIAS, ADDRESS_BITS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES,
+                                         AllocatorModel)
 
 rounded_bytes = AllocatorModel.round_size  # what the allocator hands out for a request
 
@@ -178,33 +181,15 @@ class DecodeReplayer:
         """Replay decode step `step` on the large pool (the phase begun: budget set, peaks reset).
         None when it completed; else the position in its events from which the caller replays it
         request by request (the allocator then holds the whole state up to there)."""
-        alloc, blocks, large, limit = self.alloc, self.blocks, self.large, self.limit
-        j = step - self.last
-        first = limit + (step - self.base_step - 1) * self.shift
-        peak = alloc.allocated + self.smax0
-        malloc, free, live_large = alloc.malloc, alloc.free, self.live_large
+        alloc = self.alloc
         guarded = hasattr(alloc, "release_cached")
         if guarded:
             alloc.release_cached = refuse_release  # a release would change the small pool: stop there
-        stopped = None
         try:
-            for is_malloc, e, d, r, position, smax in self.ops:
-                if is_malloc:
-                    try:
-                        large[first + r] = malloc(e + j * d)
-                    except NeedsRelease:
-                        stopped = position
-                        break
-                else:
-                    y = ~(e + j * d)
-                    if y >= limit:
-                        free(large.pop(y))
-                    else:
-                        free(blocks[y])
-                        live_large.discard(y)
-                v = alloc.allocated + smax
-                if v > peak:
-                    peak = v
+            if type(alloc).malloc is AllocatorModel.malloc and type(alloc).free is AllocatorModel.free:
+                stopped, peak = self._large_ops_inline(step)
+            else:
+                stopped, peak = self._large_ops(step)
         finally:
             if guarded:
                 del alloc.release_cached
@@ -213,6 +198,120 @@ class DecodeReplayer:
             self.stats["bulk_steps"] += 1
             return None
         return self.resume(step, stopped, peak)
+
+    def _large_ops(self, step: int) -> tuple:
+        """(the position where a request needs a release, or None; the step's peak allocated) of the
+        step's large requests and releases, through the allocator's malloc and free."""
+        alloc, blocks, large, limit = self.alloc, self.blocks, self.large, self.limit
+        j = step - self.last
+        first = limit + (step - self.base_step - 1) * self.shift
+        peak = alloc.allocated + self.smax0
+        malloc, free, live_large = alloc.malloc, alloc.free, self.live_large
+        for is_malloc, e, d, r, position, smax in self.ops:
+            if is_malloc:
+                try:
+                    large[first + r] = malloc(e + j * d)
+                except NeedsRelease:
+                    return position, peak
+            else:
+                y = ~(e + j * d)
+                if y >= limit:
+                    free(large.pop(y))
+                else:
+                    free(blocks[y])
+                    live_large.discard(y)
+            v = alloc.allocated + smax
+            if v > peak:
+                peak = v
+        return None, peak
+
+    def _large_ops_inline(self, step: int) -> tuple:
+        """_large_ops with AllocatorModel's malloc and free written out, as AllocatorModel.replay
+        writes them (the same choices; tests/test_replay.py compares the documents with the calls'):
+        a long run replays hundreds of large requests in each of its bulk steps. A request that
+        needs a new segment goes through the allocator's malloc (its budget, its addresses)."""
+        alloc, blocks, large, limit = self.alloc, self.blocks, self.large, self.limit
+        j = step - self.last
+        first = limit + (step - self.base_step - 1) * self.shift
+        allocated = alloc.allocated
+        peak = allocated + self.smax0
+        live_large = self.live_large
+        pools = alloc.free_blocks
+        small_keys, small_blocks = pools[True].keys, pools[True].blocks
+        large_keys, large_blocks = pools[False].keys, pools[False].blocks
+        shift, bias, min_block, small_max = ADDRESS_BITS, ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
+        block_type = None  # the allocator's block class, from the first block taken
+        for is_malloc, e, d, r, position, smax in self.ops:
+            if is_malloc:
+                request = e + j * d
+                size = min_block if request <= min_block else -(-request // min_block) * min_block
+                small = size <= small_max
+                keys, members = (small_keys, small_blocks) if small else (large_keys, large_blocks)
+                i = bisect_left(keys, size << shift)
+                if i == len(keys):  # a new segment: the allocator's own malloc
+                    alloc.allocated = allocated
+                    try:
+                        block = alloc.malloc(request)
+                    except NeedsRelease:
+                        return position, peak
+                    allocated = alloc.allocated
+                else:
+                    del keys[i]
+                    block = members.pop(i)
+                    remaining = block.size - size
+                    if remaining >= min_block if small else remaining > small_max:
+                        after = block.next
+                        block_type = block_type or type(block)
+                        rest = block_type(remaining, block.address + size, small, True, block, after)
+                        if after is not None:
+                            after.prev = rest
+                        block.next = rest
+                        key = (remaining << shift) | (rest.address + bias)
+                        k = bisect_left(keys, key)
+                        keys.insert(k, key)
+                        members.insert(k, rest)
+                        block.size = size
+                    block.free = False
+                    allocated += block.size
+                large[first + r] = block
+            else:
+                y = ~(e + j * d)
+                if y >= limit:
+                    block = large.pop(y)
+                else:
+                    block = blocks[y]
+                    live_large.discard(y)
+                allocated -= block.size
+                block.free = True
+                keys, members = (small_keys, small_blocks) if block.small else (large_keys, large_blocks)
+                after = block.next
+                if after is not None and after.free:
+                    k = bisect_left(keys, (after.size << shift) | (after.address + bias))
+                    del keys[k]
+                    del members[k]
+                    block.size += after.size
+                    block.next = after = after.next
+                    if after is not None:
+                        after.prev = block
+                before = block.prev
+                if before is not None and before.free:
+                    k = bisect_left(keys, (before.size << shift) | (before.address + bias))
+                    del keys[k]
+                    del members[k]
+                    block.size += before.size
+                    block.address = before.address
+                    block.prev = before = before.prev
+                    if before is not None:
+                        before.next = block
+                key = (block.size << shift) | (block.address + bias)
+                k = bisect_left(keys, key)
+                keys.insert(k, key)
+                members.insert(k, block)
+            v = allocated + smax
+            if v > peak:
+                peak = v
+        alloc.allocated = allocated
+        return None, peak
 
     def pending(self) -> bool:
         """Whether steps were replayed in bulk that a request-by-request step must first take up."""

@@ -1,6 +1,7 @@
 """Does a real model's run fit a GPU, and the largest batch and context that do: predictions under a
 replayed allocator capped at the budget, with no GPU. A rate-card GPU's budget is the one rule of
 lab_helpers.real.budget."""
+import functools
 import sys
 from dataclasses import replace
 
@@ -81,15 +82,18 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
 
 
 def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
-    """{"fits", and the peaks under the budget where it fits, else with no cap}: a run that does not fit
-    is replayed again from its trace with no cap, its peaks guiding fit's search (lab_helpers.real.search)."""
+    """{"fits", and the peaks under the budget where it fits, else "uncapped": a function giving the
+    peaks with no cap}: a run that does not fit is replayed again from its trace with no cap, its peaks
+    guiding fit's search (lab_helpers.real.search), only when the search reads them."""
     from lab_helpers.real.tracer import OutOfMemory
     try:
         prediction = predict_model(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
-        uncapped = predict_model(shape, spec, capacity_bytes=None, loaded=loaded)["overall"]
-        return {"fits": False, "uncapped_peak_reserved_bytes": uncapped["peak_reserved_bytes"],
-                "uncapped_peak_allocated_bytes": uncapped["peak_allocated_bytes"]}
+        @functools.cache  # the point's probe may be read by both searches
+        def uncapped():
+            overall = predict_model(shape, spec, capacity_bytes=None, loaded=loaded)["overall"]
+            return overall["peak_reserved_bytes"], overall["peak_allocated_bytes"]
+        return {"fits": False, "uncapped": uncapped}
     return {"fits": True, "peak_reserved_bytes": prediction["overall"]["peak_reserved_bytes"],
             "peak_allocated_bytes": prediction["overall"]["peak_allocated_bytes"]}
 
@@ -227,8 +231,8 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
             if progress:
                 progress(b, t, cache[(b, t)]["fits"])
         found = cache[(b, t)]
-        return Probe(found["fits"], found.get("peak_reserved_bytes", found.get("uncapped_peak_reserved_bytes")),
-                     found.get("peak_allocated_bytes", found.get("uncapped_peak_allocated_bytes")))
+        return Probe(found["fits"], found.get("peak_reserved_bytes"), found.get("peak_allocated_bytes"),
+                     found.get("uncapped"))
 
     def ceiling(high, holds):
         """The largest v in [0, high] where holds(v) (monotone: weights and cache grow with v), by the

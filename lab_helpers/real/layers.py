@@ -183,9 +183,11 @@ class _CountingRecorder(RequestRecorder):
         return super().take()
 
 
-def trace_marked_run(shape, spec, model, load, mesh, decode_steps: int, layers: list) -> tuple:
-    """(RunTrace, marks) of trace_run, with marks[phase position] the positions in the phase's own
-    events where each of `layers` starts and where the last one ends."""
+def trace_marked_run(shape, spec, model, load, mesh, decode_steps: int, layers: list,
+                     layouts: "dict | None" = None) -> tuple:
+    """(RunTrace, marks) of trace_run (`layouts`: its tracer's cache of output layouts), with
+    marks[phase position] the positions in the phase's own events where each of `layers` starts and
+    where the last one ends."""
     recorder = _CountingRecorder()
     marks = {}
 
@@ -196,7 +198,7 @@ def trace_marked_run(shape, spec, model, load, mesh, decode_steps: int, layers: 
                for i, layer in enumerate(layers)]
     handles.append(layers[-1].register_forward_hook(lambda module, args, out: mark("end", len(layers) - 1)))
     try:
-        trace = trace_run(shape, spec, model, load, mesh, decode_steps, recorder=recorder)
+        trace = trace_run(shape, spec, model, load, mesh, decode_steps, recorder=recorder, layouts=layouts)
     finally:
         for handle in handles:
             handle.remove()
@@ -352,6 +354,10 @@ class LayerExpansion:
     def __init__(self, shape, dtype: str, tensor_parallel: int, mesh, hf_config):
         self.shape, self.dtype, self.tensor_parallel, self.mesh = shape, dtype, tensor_parallel, mesh
         self.layers = hf_config.num_hidden_layers
+        # both smaller models, at every size, run the same meta kernels on the same layouts again and
+        # again (a decode step's projections do not depend on the context): their outputs' layouts
+        # are kept once for all the runs traced here
+        self.layouts = {}
         self.models = []
         for count in (TEMPLATE_LAYERS, TEMPLATE_LAYERS + 1):
             small = fewer_layers(shape, hf_config, count)
@@ -383,7 +389,8 @@ class LayerExpansion:
         `load`: expanded from the smaller models' traces, or None where any check fails."""
         traced = []
         for small, small_load, model, layers in self.models:
-            trace, marks = trace_marked_run(small, spec, model, small_load, self.mesh, decode_steps, layers)
+            trace, marks = trace_marked_run(small, spec, model, small_load, self.mesh, decode_steps, layers,
+                                            self.layouts)
             traced.append((trace, marks, small_load))
         try:
             (a, a_marks, a_load), (b, b_marks, b_load) = traced

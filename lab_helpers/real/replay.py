@@ -368,9 +368,11 @@ def trace_load(shape, dtype: str, tensor_parallel: int, mesh) -> tuple:
     return LoadTrace(recorder.take(), weights, recorder.requests), state["model"], recorder
 
 
-def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int, recorder=None) -> RunTrace:
+def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int, recorder=None,
+              layouts: "dict | None" = None) -> RunTrace:
     """The phases after the load of `spec` (its first `decode_steps` decode steps) traced on `model`,
-    the meta model of `load` (into `recorder`, a fresh RequestRecorder, where one is given)."""
+    the meta model of `load` (into `recorder`, a fresh RequestRecorder, where one is given; `layouts`,
+    the tracer's cache of meta kernels' output layouts, shared with other traces where one is given)."""
     from dataclasses import replace
 
     import torch
@@ -379,7 +381,7 @@ def trace_run(shape, spec, model, load: LoadTrace, mesh, decode_steps: int, reco
     from lab_helpers.real.tracer import AllocationTracer
     recorder = recorder if recorder is not None else RequestRecorder()
     recorder.requests = load.requests
-    tracer = AllocationTracer(recorder)
+    tracer = AllocationTracer(recorder, layouts=layouts)
     from lab_helpers.real.progress import progress_bar
     phases = []
 

@@ -16,6 +16,7 @@ integers), and a round that does not halve the bracket is followed by a bisectio
 more than about twice the probes of a bisection, and most take a few.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,28 @@ class Probe:
     """What one prediction of the search says: whether the run fits, and, where known, its peaks with
     no cap (None where the prediction gave none). The peaks only guide the choice of the next size:
     a run fits at most where its peak allocated meets the budget, and at least where its peak reserved
-    with no cap does (under the budget the allocator releases cached segments before failing)."""
+    with no cap does (under the budget the allocator releases cached segments before failing).
+
+    `later`, where the peaks cost a prediction of their own (a run that does not fit, replayed again
+    with no cap), gives them instead, as (peak reserved, peak allocated): the search calls it only
+    when it reads them, at most once, so a probe whose peaks never guide a choice costs no replay."""
 
     fits: bool
     peak_reserved_bytes: "int | None" = None
     peak_allocated_bytes: "int | None" = None
+    later: "Callable[[], tuple] | None" = None
+
+
+class _Later:
+    """The peaks of a Probe given `later`, computed when first read."""
+
+    def __init__(self, compute):
+        self.compute, self.values = compute, None
+
+    def __call__(self, which: int) -> int:
+        if self.values is None:
+            self.values = self.compute()
+        return self.values[which]
 
 
 def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = None) -> tuple:
@@ -66,6 +84,9 @@ def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = N
             answer = probe(size)
             if answer is None:
                 return low, True
+            if answer.later is not None:  # read through _peak, when a crossing needs them
+                later = _Later(answer.later)
+                reserved[size], allocated[size] = (later, 0), (later, 1)
             for peaks, value in ((reserved, answer.peak_reserved_bytes), (allocated, answer.peak_allocated_bytes)):
                 if value is not None:
                     peaks[size] = value
@@ -91,8 +112,14 @@ def _crossing(low: int, top: int, peaks: dict, budget_bytes: int, past: int = 0)
         a, b = above[0], above[1]
     else:
         return None
-    rise = peaks[b] - peaks[a]
+    peak_a, peak_b = _peak(peaks[a]), _peak(peaks[b])
+    rise = peak_b - peak_a
     if rise <= 0:
         return None
-    size = a + (budget_bytes - peaks[a]) * (b - a) // rise + past
+    size = a + (budget_bytes - peak_a) * (b - a) // rise + past
     return size if low < size < top else None
+
+
+def _peak(value) -> int:
+    """A known peak, or one of a Probe's `later` peaks, computed now."""
+    return value if isinstance(value, int) else value[0](value[1])

@@ -401,7 +401,8 @@ class _DataFactories(TorchFunctionMode):
 class AllocationTracer(TorchDispatchMode):
     """Feeds every CUDA-equivalent allocation and release of meta-device code to an AllocatorModel."""
 
-    def __init__(self, allocator: AllocatorModel = None, behaviour: CudaBehaviour = DEFAULT_BEHAVIOUR):
+    def __init__(self, allocator: AllocatorModel = None, behaviour: CudaBehaviour = DEFAULT_BEHAVIOUR,
+                 layouts: "dict | None" = None):
         super().__init__()
         self.allocator = allocator if allocator is not None else AddressedAllocator()
         self.behaviour = behaviour
@@ -413,7 +414,9 @@ class AllocationTracer(TorchDispatchMode):
         self.cublaslt_ready = False
         self.persistent = []  # the blocks cuBLAS/cuBLASLt hold for the process's life
         self.requests = 0
-        self.layouts = {}  # (op, input layouts) -> output layouts, see _run
+        # (op, input layouts) -> output layouts, see _run: a meta kernel's output layouts depend on its
+        # inputs' layouts alone, so tracers of the same model may share one (`layouts`)
+        self.layouts = {} if layouts is None else layouts
         self._math_attention = False  # inside scaled_dot_product_attention: its mask's add is in place
 
     def __enter__(self):
