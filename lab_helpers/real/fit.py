@@ -241,6 +241,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
 
     result = {
         "config_name": shape.name, "dtype": dtype, "new_tokens": new_tokens,
+        **({"quantization": shape.quantization} if shape.quantization else {}),  # a --quantize value
         **({"tensor_parallel": degree, "budget_per": "rank (one GPU)"} if degree > 1 else {}),
         "budget_bytes": budget_bytes, "budget_source": budget_source,
         "criterion": ("the run fits when the replayed allocator never needs more than the budget, "

@@ -78,7 +78,9 @@ def model_fit_table(result: dict) -> str:
     """fit_model's answer in lines, or card_fit's table of forfaits."""
     if result.get("kind") == CARD_FIT_KIND:
         return format_card_fit(result)
-    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})"]
+    weights = f", {result['quantization']} weights" if "quantization" in result else ""
+    lines = [f"{result['config_name']}, {result['dtype']}{weights}, {result['new_tokens']} new tokens",
+             f"budget: {format_bytes(result['budget_bytes'])} ({result['budget_source']})"]
     if "tensor_parallel" in result:
         lines.append(f"tensor parallel {result['tensor_parallel']}: the budget and every figure are one rank's")
     if result.get("allocator_conf") == "expandable_segments:True":
@@ -86,7 +88,8 @@ def model_fit_table(result: dict) -> str:
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
                      f"{'fits' if result['fits'] else 'does NOT fit'}"
-                     + (f", peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                     + (f", peak reserved {format_bytes(result['peak_reserved_bytes'])}, headroom "
+                        f"{format_bytes(result['headroom_bytes'])}"
                         if result["fits"] else ""))
     if "largest_context_at_batch" in result:
         lines.append(f"largest context at batch {result.get('batch')}: {result['largest_context_at_batch']}")
