@@ -511,3 +511,29 @@ def test_qlora_runs_measured_on_the_h200_are_predicted_to_the_byte(point):
     document = predict_training_model(shape, spec)
     got = [(p["phase"], p["index"], *(p[k] for k in COUNTER_KEYS)) for p in document["phases"]]
     assert got == H200_QLORA[point]
+
+
+def test_fit_names_its_8bit_weights_and_its_boundary_holds(tmp_path, capsys):
+    """fit --quantize int8-threshold-0: the answer and its table name the weights; the largest batch
+    it gives fits the budget and one more does not, each predicted on its own."""
+    from lab_helpers.real.tracer import OutOfMemory
+    config = tmp_path / "odd.json"
+    config.write_text(json.dumps(ODD))
+    budget = 80_000_000
+    argv = ["fit", "--config", str(config), "--quantize", "int8-threshold-0", "--memory-bytes", str(budget),
+            "--batch", "1", "--context", "64", "--new-tokens", "2", "--no-cache"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quantization"] == "int8-threshold-0" and result["config_name"] == "odd"
+    assert main([*argv, "--format", "table"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("odd, bfloat16, int8-threshold-0 weights, 2 new tokens\nbudget: 76.29 MiB (80000000 B)")
+    shape = int8_shape("odd", 2)
+    largest = result["largest_batch_at_context"]
+    assert largest >= 1
+    fitting = predict_model(shape, RunSpec("odd", batch=largest, context=64, new_tokens=2),
+                            trace_cache=TraceCache(None), capacity_bytes=budget)
+    assert max(p["peak_reserved_bytes"] for p in fitting["phases"]) <= budget
+    with pytest.raises(OutOfMemory):
+        predict_model(shape, RunSpec("odd", batch=largest + 1, context=64, new_tokens=2),
+                      trace_cache=TraceCache(None), capacity_bytes=budget)
