@@ -4,6 +4,7 @@ same (odd sizes, several sizes and decode steps, tensor parallel 1 and 2), and p
 documents; a model whose layers differ, or a run whose check fails, is traced whole."""
 import json
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 
@@ -78,6 +79,35 @@ def test_an_expanded_run_equals_the_run_traced_on_every_layer(name, layers, chan
         assert session.layer_expanded == [(batch, context, steps)]  # expanded, not traced whole
         assert fast.phases == full.phases  # the same requests and releases, the same ids, in the same order
         assert fast.persistent == full.persistent and fast.decode_steps == full.decode_steps
+
+
+# (config, layers, changes, dtype, batch, context, decode steps, --quantize): bitsandbytes' weights, loaded
+# and quantized key by key, then every layer's products through bitsandbytes' code; widths not divisible
+# by 4 (the 8-bit product's float32 fallback) in the last
+QUANTIZED_CASES = [
+    ("llama-3.1-8b", 9, {"vocab_size": 1001}, "bfloat16", 3, 37, 3, "int8-threshold-0"),
+    ("qwen2.5-7b", 9, {}, "bfloat16", 2, 33, 2, "nf4-double"),
+    ("gpt2", 8, {"vocab_size": 1003}, "float16", 2, 50, 2, "nf4"),
+    ("gpt2", 9, {"vocab_size": 1003}, "bfloat16", 3, 101, 3, "int8-threshold-0"),
+    ("phi-3-mini-4k", 9, {}, "bfloat16", 1, 2051, 2, "fp4"),
+    ("gemma-2-2b", 8, {"layer_types": ["sliding_attention"] * 8, "sliding_window": 16, "vocab_size": 1000},
+     "bfloat16", 2, 30, 3, "int8-threshold-0"),
+    ("qwen3-30b-a3b", 8, {"vocab_size": 1006}, "bfloat16", 2, 23, 2, "fp4-double"),
+    ("llama-3.1-8b", 9, {"hidden_size": 262, "head_dim": 262, "num_attention_heads": 1, "num_key_value_heads": 1,
+                         "intermediate_size": 690, "vocab_size": 1001}, "bfloat16", 2, 40, 3, "int8-threshold-0"),
+]
+
+
+@pytest.mark.parametrize("name, layers, changes, dtype, batch, context, steps, kind", QUANTIZED_CASES,
+                         ids=[f"{c[0]}/{c[1]}-{c[7]}" for c in QUANTIZED_CASES])
+def test_a_quantized_models_expanded_run_equals_the_run_traced_on_every_layer(name, layers, changes, dtype, batch,
+                                                                             context, steps, kind):
+    pytest.importorskip("bitsandbytes")
+    shape = replace(shape_of(name, layers, **changes), quantization=kind)
+    (fast,), (full,), (session,) = _runs(shape, dtype, 1, batch, context, steps)
+    assert session.layer_expanded == [(batch, context, steps)]
+    assert fast.phases == full.phases
+    assert fast.persistent == full.persistent and fast.decode_steps == full.decode_steps
 
 
 # (config, layers, changes, tensor parallel): one session traces runs of several sizes one after another,

@@ -110,10 +110,10 @@ def _layer_facts(layer) -> tuple:
 
 def uniform_layers(shape, hf_config, model) -> bool:
     """Whether every decoder layer of `model` (the full model, built on meta) is the same: a family
-    checked to expand, unquantized, the config's layer_types all equal, and each layer's submodules of
-    the same classes with the same parameter and buffer shapes and plain attributes, apart from the
-    layer's index (an attribute equal to it in every layer)."""
-    if shape.model_type not in LAYER_EXPANDABLE_FAMILIES or shape.quantization:
+    checked to expand (bitsandbytes' quantized weights too), the config's layer_types all equal, and
+    each layer's submodules of the same classes with the same parameter and buffer shapes and plain
+    attributes, apart from the layer's index (an attribute equal to it in every layer)."""
+    if shape.model_type not in LAYER_EXPANDABLE_FAMILIES:
         return False
     count = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(count, int) or count < 1:
@@ -372,7 +372,7 @@ class LayerExpansion:
         """The expansion of `shape`'s runs, or None where its layers do not pass the guard (`model`: the
         full model built on meta, else built here untraced) or have too few layers to gain anything."""
         from lab_helpers.real.protocol import transformers_config
-        if shape.model_type not in LAYER_EXPANDABLE_FAMILIES or shape.quantization:
+        if shape.model_type not in LAYER_EXPANDABLE_FAMILIES:
             return None
         hf_config = transformers_config(shape)
         if hf_config.num_hidden_layers <= TEMPLATE_LAYERS + 1:
