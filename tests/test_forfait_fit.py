@@ -106,8 +106,12 @@ def test_qwen_table_for_people(qwen_result):
     assert lines[0] == ("qwen1.5-0.5b bfloat16, batch 1, context 128, 4 new tokens: 7-day forfaits of "
                         "tarifs-forfaits.csv (snapshot 2026-09-24)")
     assert lines[1].split() == ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "unit_cost",
-                                "budget_bytes", "memory", "peak_reserved_bytes"]
+                                "budget", "memory", "peak_reserved"]
     assert lines[2].startswith("1     l4              1                1     1     60.28 USD (6028 cents)")
+    # sizes for people: GiB with the exact bytes beside them (the JSON keeps the bytes alone)
+    peak = qwen_result["rows"][0]["peak_reserved_bytes"]
+    assert "21.21 GiB (22778216448 B)" in lines[2]
+    assert lines[2].endswith(f"derived, not measured  {peak / 2**30:.2f} GiB ({peak} B)")
     assert "30.14 USD (3014 cents)" in lines[2]
     assert "Its figures are illustrative, not a quote." in text
 

@@ -157,8 +157,11 @@ def test_table_output(files, answer, tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == (f"qwen-2-layers bfloat16, batch {BATCH}, context {CONTEXT}, full fine-tuning, adamw: "
                         f"7-day forfaits of {files[1]} (snapshot 2026-09-24)")
-    assert lines[1].split() == ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget_bytes",
-                                "memory", "peak_reserved_bytes"]
+    assert lines[1].split() == ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget",
+                                "memory", "peak_reserved"]
+    fitting = answer["rows"][0]
+    assert f"GiB ({fitting['budget_bytes']} B)" in lines[2]
+    assert lines[2].endswith(f"GiB ({fitting['peak_reserved_bytes']} B)")
     assert lines[2].split()[:6] == ["1", "mid", "1", "1", "1", "15.00"]
     assert lines[4].split()[:2] == ["3", "big"]
     assert lines[5].split()[:3] == ["-", "small", "-"] and "does not fit" in lines[5]

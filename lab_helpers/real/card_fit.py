@@ -13,6 +13,7 @@ sorted by price; the GPU models that fit at no allowed degree come last.
 import math
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.tables import format_bytes
 from lab_helpers.core.text import printable
 from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE, RATE_CARD_PATH,
                                       ForfaitError, is_illustrative, load_card)
@@ -263,6 +264,18 @@ def table_rows(result: dict) -> list:
     return out
 
 
+def people_rows(result: dict) -> list:
+    """table_rows with the sizes for people: the budget and the peak reserved per GPU in GiB with the
+    bytes beside them (format_bytes), None where no peak is known."""
+    out = []
+    for row in table_rows(result):
+        budget, peak = row.pop("budget_bytes"), row.pop("peak_reserved_bytes")
+        memory = row.pop("memory")
+        out.append({**row, "budget": format_bytes(budget), "memory": memory,
+                    "peak_reserved": None if peak is None else format_bytes(peak)})
+    return out
+
+
 def format_card_fit(result: dict) -> str:
     """The result as aligned lines for people."""
     c = result["configuration"]
@@ -272,24 +285,23 @@ def format_card_fit(result: dict) -> str:
         [f"Degrees: {result['degree_rule']}; allowed for this model: "
          f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
          *(f"  refused: {why}" for why in result["refused_degrees"].values())],
-        [f"NCCL: {result['nccl_rule']}; peak_reserved_bytes is the worst rank's."])
+        [f"NCCL: {result['nccl_rule']}; peak_reserved is the worst rank's."])
 
 
 def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
     """An answer's rows as aligned lines under a title naming the `run`, then the lines `before`, the
     order and memory rule, the lines `after`, the unit cost's rounding if asked and the notice."""
-    columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget_bytes", "memory",
-               "peak_reserved_bytes"]
+    columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget", "memory", "peak_reserved"]
     if result["accepted_results"] is not None:
         columns.insert(6, "unit_cost")
-    rows = table_rows(result)
+    rows = people_rows(result)
     text = [[str(r[k]) if r[k] is not None else "-" for k in columns] for r in rows]
     widths = [max(len(k), *(len(t[i]) for t in text)) for i, k in enumerate(columns)]
     lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
-             "  ".join(k.ljust(w) for k, w in zip(columns, widths))]
+             "  ".join(k.ljust(w) for k, w in zip(columns, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in text]
     lines += ["", *before, f"Order: {result['order']}.",
-              f"Memory per GPU (budget_bytes): {MEASURED} = {result['memory_rule'][MEASURED]}; "
+              f"Memory per GPU (budget): {MEASURED} = {result['memory_rule'][MEASURED]}; "
               f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]
     if result["accepted_results"] is not None:
         lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")
