@@ -64,7 +64,7 @@ class DriverAddresses:
         rest = [address + segment_bytes, end]
         if rest[0] < end and rest in self.room:  # its last granule's rest unused: all its granules free
             self.room.remove(rest)
-        elif rest[0] < end:  # smaller segments lie in its last granule (it has two or more): that one stays, as room
+        elif rest[0] < end:  # smaller segments use its last granule (of two or more): it stays, as room
             end -= GRANULE_BYTES
             self._free_room(end, address + segment_bytes)
         start = address
