@@ -265,14 +265,15 @@ def table_rows(result: dict) -> list:
 
 
 def people_rows(result: dict) -> list:
-    """table_rows with the sizes for people: the budget and the peak reserved per GPU in GiB with the
-    bytes beside them (format_bytes), None where no peak is known."""
+    """table_rows for people (the text table, the notebooks' tables): the budget and the peak reserved
+    per GPU in GiB with the bytes beside them (format_bytes), "-" for any value not known."""
     out = []
     for row in table_rows(result):
         budget, peak = row.pop("budget_bytes"), row.pop("peak_reserved_bytes")
-        memory = row.pop("memory")
-        out.append({**row, "budget": format_bytes(budget), "memory": memory,
-                    "peak_reserved": None if peak is None else format_bytes(peak)})
+        memory = row.pop("memory")  # re-added after the budget: the columns' order
+        row = {**row, "budget": format_bytes(budget), "memory": memory,
+               "peak_reserved": None if peak is None else format_bytes(peak)}
+        out.append({key: "-" if value is None else value for key, value in row.items()})
     return out
 
 
@@ -295,7 +296,7 @@ def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
     if result["accepted_results"] is not None:
         columns.insert(6, "unit_cost")
     rows = people_rows(result)
-    text = [[str(r[k]) if r[k] is not None else "-" for k in columns] for r in rows]
+    text = [[str(r[k]) for k in columns] for r in rows]
     widths = [max(len(k), *(len(t[i]) for t in text)) for i, k in enumerate(columns)]
     lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
              "  ".join(k.ljust(w) for k, w in zip(columns, widths)).rstrip()]
