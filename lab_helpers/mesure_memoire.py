@@ -2488,6 +2488,17 @@ class PhaseError(Exception):
                 "message": self.message}
 
 
+def open_device(torch, device) -> None:
+    """Make `device` current and create its CUDA context, before anything is measured. Creating it
+    takes a few hundred MiB of the device: where other processes hold all but less, or the device is
+    in a bad state, it fails, and that is this run's first phase failing (exit 3, no file written)."""
+    try:
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+    except RuntimeError as exc:  # torch.AcceleratorError and torch.OutOfMemoryError derive from it
+        raise PhaseError("cuda_context", exc) from None
+
+
 def import_torch():
     try:
         import torch
@@ -3179,13 +3190,15 @@ def check_device(torch, config: MeasureConfig):
         raise LabError("no CUDA/ROCm device is available to torch; measure never falls back to the CPU")
     if config.device_index >= torch.cuda.device_count():
         raise LabError(f"{config.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+    device = torch.device("cuda", config.device_index)
+    open_device(torch, device)  # before the bfloat16 query, which would open the current device
     try:
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     except TypeError:  # torch before 2.4 has no emulation flag
         bf16 = torch.cuda.is_bf16_supported()
     if config.dtype == "bfloat16" and not bf16:
         raise LabError(f"bfloat16 is not supported on {config.device}")
-    return torch.device("cuda", config.device_index)
+    return device
 
 
 def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> dict:
@@ -3193,8 +3206,6 @@ def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> 
     the allocator's history is recorded for the run and `history.timeline` holds the timeline."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     dtype = getattr(torch, config.dtype)
     hidden = config.hidden_features
     # no usable-memory child here: it would compete with this process's own context
@@ -4035,8 +4046,6 @@ def measure_tensor_parallel(config: MeasureConfig, info: LaunchInfo, write=None,
     with exit 2 and the same line."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     dtype = getattr(torch, config.dtype)
     shard = config.shard_hidden
     first, last = info.rank * shard, (info.rank + 1) * shard
@@ -4354,8 +4363,6 @@ def measure_training(config: MeasureConfig, settings: TrainSettings) -> dict:
     """Measure every training phase on the GPU and return the measurement document."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     env = environment_document(config.device, config.device_index, usable_memory_figure=False,
                                usable_memory_probe=None)
     phases = []

@@ -6,7 +6,8 @@ skipped without a CUDA device). Run on the GPU machine:
 Each test makes one run fail quickly (a few large allocations, no slow filling of the device) in a
 fresh process, then checks that the file says "observer", that the failed pass's intermediate is in
 its snapshot, and that `timeline explain` gives the figures of PyTorch's own message to the precision
-it prints them and the allocator's counters taken in the observer to the byte."""
+it prints them and the allocator's counters taken in the observer to the byte. The last holds the
+device from another process, so that the run's CUDA context itself cannot be created (run it alone)."""
 import json
 import os
 import subprocess
@@ -110,3 +111,48 @@ def test_real_model_out_of_memory_in_prefill_keeps_the_embeddings(tmp_path):
     assert document["observer"]["stats"]["allocated_bytes.all.current"] >= embeddings
     blocks = [b["size"] for s in document["snapshot"]["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     assert embeddings in blocks
+
+
+HOLDER = r"""
+import sys, torch
+held = []
+for chunk in (2**30, 2**20 // 2):  # 1 GiB blocks, then 512 KiB ones (2 MiB segments): under 2 MiB left
+    while True:
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda:0"))
+        except torch.OutOfMemoryError:
+            break
+print(torch.cuda.mem_get_info(0)[0], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_device_another_process_fills_ends_measure_at_the_context_in_one_line(tmp_path):
+    """Another process holds all but under 2 MiB of the device: creating this run's CUDA context fails,
+    and each measuring command says so in one line, exit 3, no file written (run this test alone)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=CHILD_ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        free = int(holder.stdout.readline())
+        assert free < 2 * 2**20, free
+        commands = {
+            "real_model": ["-m", "lab_helpers.real_model", "measure", "--config", "qwen1.5-0.5b", "--batch", 1,
+                           "--context", 8, "--new-tokens", 1, "--device", CHILD_DEVICE, "--output",
+                           tmp_path / "real" / "m.json"],
+            "mesure_memoire": [ROOT / "lab_helpers" / "mesure_memoire.py", "measure", "--device", CHILD_DEVICE,
+                               "--batch", 1, "--context", 8, "--width", 16, "--hidden", 32,
+                               "--output", tmp_path / "mm" / "m.json", "--failure-report", tmp_path / "mm" / "f.json"],
+        }
+        (tmp_path / "real").mkdir(), (tmp_path / "mm").mkdir()
+        for argv in commands.values():
+            proc = child(*argv, cwd=ROOT)
+            assert proc.returncode == 3, proc.stderr
+            assert proc.stderr.count("\n") == 1 and "phase cuda_context failed: " in proc.stderr, proc.stderr
+            assert "out of memory" in proc.stderr and "no file written" in proc.stderr, proc.stderr
+        assert list((tmp_path / "real").iterdir()) == []
+        assert sorted(p.name for p in (tmp_path / "mm").iterdir()) == ["f.json"]
+        report = json.loads((tmp_path / "mm" / "f.json").read_text())
+        assert (report["phase"], report["reason"]) == ("cuda_context", "out_of_memory"), report
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

@@ -26,6 +26,17 @@ class PhaseError(Exception):
                 "message": self.message}
 
 
+def open_device(torch, device) -> None:
+    """Make `device` current and create its CUDA context, before anything is measured. Creating it
+    takes a few hundred MiB of the device: where other processes hold all but less, or the device is
+    in a bad state, it fails, and that is this run's first phase failing (exit 3, no file written)."""
+    try:
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+    except RuntimeError as exc:  # torch.AcceleratorError and torch.OutOfMemoryError derive from it
+        raise PhaseError("cuda_context", exc) from None
+
+
 def import_torch():
     try:
         import torch

@@ -36,7 +36,6 @@ def measure_model_parallel(shape: ModelShape, spec: RunSpec, command, output: "P
     del transformers  # imported only to fail here, before the GPU is touched, if it cannot
     spec = replace(spec, device=info.device)
     device = check_cuda(torch, spec)
-    torch.cuda.init()
     with TensorParallelRun(info, device, prog="real_model") as run:
         if run.rank == 0 and output is not None:
             try:

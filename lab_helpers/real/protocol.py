@@ -11,7 +11,7 @@ from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACH
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import environment
-from lab_helpers.measurement.protocol import PhaseError, run_phase
+from lab_helpers.measurement.protocol import PhaseError, open_device, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ConfigError, ModelShape, key_named, one_line_reason, transformers_config_of
 from lab_helpers.real.quantized import load_on_gpu, load_on_meta, quantized_skeleton, random_checkpoint
@@ -233,7 +233,7 @@ def check_cuda(torch, spec: RunSpec):
     if index >= torch.cuda.device_count():
         raise LabError(f"{spec.device} is out of range: {torch.cuda.device_count()} device(s) visible")
     # before any call that initialises CUDA on the current device, which is cuda:0 until set
-    torch.cuda.set_device(index)
+    open_device(torch, index)
     if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise LabError(f"bfloat16 is not supported on {spec.device}")
     return torch.device(spec.device)
@@ -252,8 +252,6 @@ def measure_model(shape: ModelShape, spec: RunSpec, history: "HistoryRecorder | 
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     del transformers  # imported only to fail here, before the GPU is touched, if it cannot
     device = check_cuda(torch, spec)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     env = environment(spec.device, usable_memory_figure=False)  # a probe child would fill the GPU mid-run
     phases, alive = [], {}  # alive: the model, inputs and cache, kept for the timeline's labels
 

@@ -341,8 +341,6 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
         raise LabError(f"torch and transformers must import to measure: {type(exc).__name__}") from None
     del transformers
     device = check_cuda(torch, spec)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     env = environment(spec.device, usable_memory_figure=False)
     phases = []
 

@@ -2,7 +2,7 @@
 from lab_helpers.allocator.history import HistoryRecorder
 from lab_helpers.core.errors import LabError
 from lab_helpers.measurement.environment import environment_document
-from lab_helpers.measurement.protocol import import_torch, run_phase
+from lab_helpers.measurement.protocol import import_torch, open_device, run_phase
 from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.synthetic.network import MeasureConfig, synthetic_model
 
@@ -12,13 +12,15 @@ def check_device(torch, config: MeasureConfig):
         raise LabError("no CUDA/ROCm device is available to torch; measure never falls back to the CPU")
     if config.device_index >= torch.cuda.device_count():
         raise LabError(f"{config.device} is out of range: {torch.cuda.device_count()} device(s) visible")
+    device = torch.device("cuda", config.device_index)
+    open_device(torch, device)  # before the bfloat16 query, which would open the current device
     try:
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     except TypeError:  # torch before 2.4 has no emulation flag
         bf16 = torch.cuda.is_bf16_supported()
     if config.dtype == "bfloat16" and not bf16:
         raise LabError(f"bfloat16 is not supported on {config.device}")
-    return torch.device("cuda", config.device_index)
+    return device
 
 
 def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> dict:
@@ -26,8 +28,6 @@ def measure(config: MeasureConfig, history: "HistoryRecorder | None" = None) -> 
     the allocator's history is recorded for the run and `history.timeline` holds the timeline."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     dtype = getattr(torch, config.dtype)
     hidden = config.hidden_features
     # no usable-memory child here: it would compete with this process's own context

@@ -20,8 +20,6 @@ def measure_tensor_parallel(config: MeasureConfig, info: LaunchInfo, write=None,
     with exit 2 and the same line."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     dtype = getattr(torch, config.dtype)
     shard = config.shard_hidden
     first, last = info.rank * shard, (info.rank + 1) * shard

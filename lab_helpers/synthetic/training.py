@@ -159,8 +159,6 @@ def measure_training(config: MeasureConfig, settings: TrainSettings) -> dict:
     """Measure every training phase on the GPU and return the measurement document."""
     torch = import_torch()
     device = check_device(torch, config)
-    torch.cuda.set_device(device)
-    torch.cuda.init()
     env = environment_document(config.device, config.device_index, usable_memory_figure=False,
                                usable_memory_probe=None)
     phases = []
