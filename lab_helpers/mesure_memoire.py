@@ -2470,12 +2470,12 @@ def run_parsed(program: Program, argv=None) -> int:
 class PhaseError(Exception):
     """A CUDA failure (out of memory included) during a measured phase: exit code 3."""
 
-    def __init__(self, phase, exc):
+    def __init__(self, phase, exc, reason: "str | None" = None):
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         super().__init__(f"phase {phase} failed: {type(exc).__name__}: {first_line[:300]}")
         self.phase = phase
         memory = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first_line.lower()
-        self.reason = "out_of_memory" if memory else "cuda_error"
+        self.reason = reason or ("out_of_memory" if memory else "cuda_error")
         self.message = f"{type(exc).__name__}: {first_line[:300]}"
         # PyTorch's whole out-of-memory line (about 500 characters), whose figures the oom file keeps
         self.error_text = first_line[:2000]
@@ -2496,7 +2496,9 @@ def open_device(torch, device) -> None:
         torch.cuda.set_device(device)
         torch.cuda.init()
     except RuntimeError as exc:  # torch.AcceleratorError and torch.OutOfMemoryError derive from it
-        raise PhaseError("cuda_context", exc) from None
+        # a cuda_error even when CUDA says out of memory: nothing of the run is on the device yet, so
+        # its size is not the cause (a sweep reads out_of_memory as "this size does not fit")
+        raise PhaseError("cuda_context", exc, reason="cuda_error") from None
 
 
 def import_torch():

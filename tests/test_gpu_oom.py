@@ -152,7 +152,7 @@ def test_a_device_another_process_fills_ends_measure_at_the_context_in_one_line(
         assert list((tmp_path / "real").iterdir()) == []
         assert sorted(p.name for p in (tmp_path / "mm").iterdir()) == ["f.json"]
         report = json.loads((tmp_path / "mm" / "f.json").read_text())
-        assert (report["phase"], report["reason"]) == ("cuda_context", "out_of_memory"), report
+        assert (report["phase"], report["reason"]) == ("cuda_context", "cuda_error"), report
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
