@@ -1,6 +1,7 @@
 """A CUDA context that cannot be created (other processes hold the device's memory, a device in a bad
-state) ends every measuring command in one line, exit 3, nothing written: CUDA faked on the CPU, the
-failure raised where torch raises it (set_device, which creates the context)."""
+state) ends each one-GPU measuring command in one line, exit 3, nothing written: CUDA faked on the CPU,
+the failure raised where torch raises it (set_device, which creates the context). Tensor-parallel
+ranks open their device through the same open_device."""
 import json
 
 import pytest

@@ -143,7 +143,8 @@ def test_a_device_another_process_fills_ends_measure_at_the_context_in_one_line(
                                "--batch", 1, "--context", 8, "--width", 16, "--hidden", 32,
                                "--output", tmp_path / "mm" / "m.json", "--failure-report", tmp_path / "mm" / "f.json"],
         }
-        (tmp_path / "real").mkdir(), (tmp_path / "mm").mkdir()
+        (tmp_path / "real").mkdir()
+        (tmp_path / "mm").mkdir()
         for argv in commands.values():
             proc = child(*argv, cwd=ROOT)
             assert proc.returncode == 3, proc.stderr
