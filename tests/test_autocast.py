@@ -13,7 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from autocast_cases import CASES, aten_calls  # noqa: E402
+from lab_helpers.core.tables import format_bytes  # noqa: E402
 from lab_helpers.real.autocast import MetaAutocast, installed, policy_of  # noqa: E402
+from lab_helpers.real.train_commands import train_fit_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = json.loads((ROOT / "tests" / "h200_autocast_calls.json").read_text())
@@ -201,3 +203,8 @@ def test_fit_task_train_under_autocast_finds_a_batch_that_fits_whose_next_does_n
     out = capsys.readouterr().out
     assert code == 0 and "training: full fine-tuning, adamw, bfloat16 autocast" in out
     assert f"largest batch at context 16: {largest}" in out
+    assert out.startswith(f"budget: {format_bytes(budget)} (given with --memory-bytes)\n"), out
+    peak = budget - 2**21  # the formatter's own test: a point 2 MiB under the budget
+    point = {**result, "batch": 4, "fits": True, "peak_reserved_bytes": peak, "headroom_bytes": budget - peak}
+    assert (f"batch 4 x context 16: fits, peak reserved {format_bytes(peak)}, headroom {format_bytes(budget - peak)}"
+            in train_fit_table(point).splitlines())

@@ -14,6 +14,7 @@ from conftest import run_main_in_process
 from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, HistoryRecorder, timeline_from_snapshot
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core import files
+from lab_helpers.core.tables import format_bytes
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import read_measurement
 from lab_helpers.real import commands
@@ -309,7 +310,22 @@ def test_predict_prints_json_and_a_table(tmp_path, capsys):
         assert p["end_allocated_bytes"] <= p["end_reserved_bytes"] and p["peak_allocated_bytes"] <= p["peak_reserved_bytes"]
     code, out, _ = run_main(capsys, "predict", "--config", config, "--batch", 2, "--context", 16, "--new-tokens", 1,
                             "--format", "table")
-    assert code == 0 and "kv_cache_bytes" in out and "prefill" in out
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == ("tiny (LlamaForCausalLM, " f"{document['model']['parameter_count']} parameters), "
+                        "transformers 5.17.0: bfloat16, batch 2, context 16, 1 new tokens")
+    prefill = json.loads(run_main(capsys, "predict", "--config", config, "--batch", 2, "--context", 16,
+                                  "--new-tokens", 1)[1])["phases"][2]
+    # sizes for people, the exact bytes beside them: "1.50 MiB (1572864 B)"
+    assert lines[4].split() == ["prefill", *" ".join(format_bytes(prefill[k]) for k in (
+        "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")).split()], lines
+    assert lines[6] == "end allocated, by kind (they add up to it), and the largest transient above it:"
+    assert lines[7].split() == ["phase", "weights", "inputs", "kv", "cache", "workspace", "activations", "transient",
+                                "peak"]
+    kinds = prefill["end_allocated_bytes_by_kind"]
+    assert sum(kinds.values()) == prefill["end_allocated_bytes"]
+    assert lines[10].split() == ["prefill", *" ".join(format_bytes(n) for n in (
+        *kinds.values(), prefill["transient_peak_bytes"])).split()], lines
 
 
 def test_measure_without_a_gpu_exits_2_and_writes_nothing(tmp_path, capsys):

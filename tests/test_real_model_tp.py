@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.tables import format_bytes
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import ConfigError, check_tensor_parallel, load_config, parse_config
 from lab_helpers.real.fit import fits_at_degree, gpu_budget
@@ -336,7 +337,37 @@ def test_compare_on_a_tp_file_lists_every_rank(tmp_path, capsys):
     differences = [r["difference_peak_allocated_bytes"] for r in result["rows"]]
     assert differences == [0] * 9 + [512]
     code, out, err = run_main(capsys, "compare", path, "--format", "table")
-    assert code == 0 and out.splitlines()[1].split()[0] == "rank"
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == "tiny: measured beside predicted; allocated exact: yes"
+    assert lines[1].split()[:4] == ["phase", "measured", "peak", "allocated"]
+    labels = [f"rank {rank} {label} " for rank in (0, 1)
+              for label in ("model_load", "inputs", "prefill", "decode #0", "decode #1")]
+    assert len(lines) == 13 and all(line.startswith(label) for line, label in zip(lines[2:12], labels)), lines
+    last = result["rows"][-1]
+    assert lines[11].split()[4:] == [*format_bytes(last["measured_peak_allocated_bytes"]).split(),
+                                     *format_bytes(last["predicted_peak_allocated_bytes"]).split(), "+512",
+                                     *format_bytes(last["measured_peak_reserved_bytes"]).split(),
+                                     *format_bytes(last["predicted_peak_reserved_bytes"]).split(), "+0", "exact"]
+    assert all(line.split()[-2:] == ["+0", "exact"] for line in lines[2:11]), lines
+
+
+def test_compare_table_names_every_counter_that_differs(tmp_path, capsys):
+    document = tp_measurement()
+    record = document["ranks"][0]["phases"][2]  # rank 0's prefill
+    record["end_reserved_bytes"] += 2097152
+    record["peak_reserved_bytes"] += 2097152
+    record["baseline_allocated_bytes"] -= 512
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(document))
+    code, out, err = run_main(capsys, "compare", path, "--format", "table")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "tiny: measured beside predicted; allocated exact: no"
+    prefill = lines[4]
+    assert prefill.startswith("rank 0 prefill ")
+    assert prefill.split()[-9:] == ["+2097152", "baseline", "allocated", "-512", "B,", "end", "reserved", "+2097152",
+                                    "B"], prefill
+    assert all(line.split()[-2:] == ["+0", "exact"] for i, line in enumerate(lines[2:12], start=2) if i != 4), lines
 
 
 @pytest.mark.parametrize("damage", ["swap ranks", "drop rank", "no ranks", "degree 3", "degree 65"])
@@ -363,8 +394,16 @@ def test_predict_table_at_tp2_has_a_rank_column(capsys):
                               "--new-tokens", 1, "--tensor-parallel", 2, "--format", "table")
     assert code == 0, err
     lines = out.splitlines()
-    assert "tensor parallel 2" in lines[1] and lines[2].split()[0] == "rank"
-    assert [line.split()[0] for line in lines[3:-1]] == ["0"] * 4 + ["1"] * 4
+    document = json.loads(run_main(capsys, "predict", "--config", "llama-3.1-8b", "--batch", 1, "--context", 8,
+                                   "--new-tokens", 1, "--tensor-parallel", 2)[1])
+    assert document["ranks"][0]["phases"] == document["ranks"][1]["phases"]  # so shown once
+    assert "tensor parallel 2" in lines[1] and lines[2] == "ranks 0 to 1 (each):"
+    assert lines[3].split() == ["phase", "end", "allocated", "peak", "allocated", "end", "reserved", "peak",
+                                "reserved"]
+    prefill = document["ranks"][0]["phases"][2]
+    assert lines[6].split() == ["prefill", *" ".join(format_bytes(prefill[k]) for k in (
+        "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")).split()]
+    assert [line.split()[0] for line in lines[4:8]] == ["model_load", "inputs", "prefill", "decode"]
     assert lines[-1].startswith("budget: none: reserved is predicted for an unbounded device")
 
 

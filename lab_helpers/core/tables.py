@@ -9,6 +9,26 @@ def format_bytes(count: int) -> str:
     return f"{count / MIB:.2f} MiB ({count} B)"
 
 
+def phase_label(record) -> str:
+    """'decode #255': a phase record's name, with its index where it has one."""
+    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+
+
+def rank_groups(ranks: list) -> list:
+    """[(rank numbers, phases)]: consecutive ranks with identical phases shown once."""
+    groups = []
+    for rank in ranks:
+        if groups and groups[-1][1] == rank["phases"]:
+            groups[-1][0].append(rank["rank"])
+        else:
+            groups.append(([rank["rank"]], rank["phases"]))
+    return groups
+
+
+def ranks_label(numbers: list) -> str:
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
+
+
 def text_table(header, rows) -> str:
     """Columns aligned with two spaces: the first to the left, the others to the right."""
     cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]

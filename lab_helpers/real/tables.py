@@ -1,32 +1,40 @@
 """real_model's results as text for people: one table per command."""
-from lab_helpers.core.tables import format_bytes
+from lab_helpers.core.tables import format_bytes, phase_label, rank_groups, ranks_label, text_table
 from lab_helpers.real.card_fit import CARD_FIT_KIND, format_card_fit
 from lab_helpers.real.spec import COUNTER_KEYS
 
 
-def _right_aligned_table(rows: list, columns: list) -> str:
-    text = [[str(r.get(c, "")) if r.get(c) is not None else "-" for c in columns] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in text)) if text else len(c) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(t, widths)) for t in text]
-    return "\n".join(lines)
+PHASE_COUNTERS = ("end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes")
+
+
+def _phase_tables(phases: list) -> list:
+    """One phase's counters, then what its end allocated is made of (the kinds add up to it) and the
+    largest transient above it, sizes in MiB or GiB with the bytes beside them."""
+    kinds = list(phases[0]["end_allocated_bytes_by_kind"]) if phases else []
+    counters = text_table(("phase", "end allocated", "peak allocated", "end reserved", "peak reserved"),
+                          [(phase_label(p), *(format_bytes(p[k]) for k in PHASE_COUNTERS)) for p in phases])
+    made_of = text_table(("phase", *(k.replace("_", " ") for k in kinds), "transient peak"),
+                         [(phase_label(p), *(format_bytes(p["end_allocated_bytes_by_kind"][k]) for k in kinds),
+                           format_bytes(p["transient_peak_bytes"])) for p in phases])
+    return [counters, "end allocated, by kind (they add up to it), and the largest transient above it:", made_of]
 
 
 def model_prediction_table(result: dict) -> str:
-    """predict_model's document: one row per phase (and rank), bytes at its end and at its peak."""
-    head = (f"{result['model']['config_name']} ({result['model']['architecture']}, "
-            f"{result['model']['parameter_count']} parameters), transformers {result['model']['transformers_version']}\n")
+    """predict_model's document for people: per phase (and rank), allocated and reserved at its end and
+    peak, then what the end allocated is made of."""
+    c, model = result["configuration"], result["model"]
+    lines = [f"{model['config_name']} ({model['architecture']}, {model['parameter_count']} parameters), "
+             f"transformers {model['transformers_version']}: {c['dtype']}, batch {c['batch']}, "
+             f"context {c['context']}, {c['new_tokens']} new tokens"]
     if result.get("allocator_conf"):  # present under expandable segments only
-        head += f"allocator: {result['allocator_conf']} (reserved grows in pages)\n"
+        lines.append(f"allocator: {result['allocator_conf']} (reserved grows in pages)")
     if "ranks" in result:
-        head += f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)\n"
-        rows = [{"rank": rank["rank"], **r, **r["bytes_at_end"]} for rank in result["ranks"] for r in rank["phases"]]
+        lines.append(f"tensor parallel {len(result['ranks'])}: every figure is one rank's (one GPU's)")
+        for numbers, phases in rank_groups(result["ranks"]):
+            lines += [f"{ranks_label(numbers)}:", *_phase_tables(phases)]
     else:
-        rows = [{**r, **r["bytes_at_end"]} for r in result["phases"]]
-    table = _right_aligned_table(rows, (["rank"] if "ranks" in result else []) + [
-        "phase", "index", "end_allocated_bytes", "peak_allocated_bytes", "end_reserved_bytes", "peak_reserved_bytes",
-        "weights_bytes", "kv_cache_bytes", "workspace_bytes", "other_bytes", "transient_peak_bytes"])
-    return head + table + "\n" + budget_lines(result).rstrip("\n") + out_of_memory_lines(result.get("out_of_memory"))
+        lines += _phase_tables(result["phases"])
+    return "\n".join(lines) + "\n" + budget_lines(result).rstrip("\n") + out_of_memory_lines(result.get("out_of_memory"))
 
 
 def budget_lines(result: dict) -> str:
@@ -60,17 +68,31 @@ def out_of_memory_lines(oom) -> str:
             f"{format_bytes(oom['released_before_failing_bytes'])} of free cached segments")
 
 
+def _other_differences(row: dict) -> str:
+    """The counters other than the peaks, 'exact' where measured equals predicted, else each difference."""
+    off = [f"{key[:-len('_bytes')].replace('_', ' ')} {row[f'difference_{key}']:+d} B" for key in COUNTER_KEYS
+           if key not in ("peak_allocated_bytes", "peak_reserved_bytes") and row[f"difference_{key}"]]
+    return ", ".join(off) or "exact"
+
+
 def model_comparison_table(result: dict) -> str:
-    """compare_model's result: measured - predicted, one row per phase (and rank)."""
-    cols = (["rank"] if "tensor_parallel" in result else []) + ["phase", "index"] + [
-        f"difference_{k}" for k in COUNTER_KEYS]
+    """compare_model's result for people: measured beside predicted peaks per phase (and rank), their
+    differences (measured - predicted) in bytes, and every other counter's difference."""
+    ranked = "tensor_parallel" in result
+    header = ("phase", "measured peak allocated", "predicted", "difference B", "measured peak reserved", "predicted",
+              "difference B", "baseline and end")
+    rows = [((f"rank {r['rank']} " if ranked else "") + phase_label(r),
+             format_bytes(r["measured_peak_allocated_bytes"]), format_bytes(r["predicted_peak_allocated_bytes"]),
+             f"{r['difference_peak_allocated_bytes']:+d}",
+             format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
+             f"{r['difference_peak_reserved_bytes']:+d}", _other_differences(r)) for r in result["rows"]]
     budget = result.get("budget") or {}
-    tail = f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
     allocator = "" if result.get("allocator_conf", "expandable_segments:False") == "expandable_segments:False" else (
         f"; replayed under {result['allocator_conf']}")
-    return (f"{result['config_name']}: measured - predicted, bytes; allocated exact: {result['allocated_exact']}"
-            f"{allocator}\n"
-            + _right_aligned_table(result["rows"], cols) + tail
+    return (f"{result['config_name']}: measured beside predicted; allocated exact: "
+            f"{'yes' if result['allocated_exact'] else 'no'}{allocator}\n"
+            + text_table(header, rows)
+            + f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
             + out_of_memory_lines(budget.get("predicted_out_of_memory")))
 
 

@@ -6,7 +6,7 @@ from lab_helpers.core.cli import error_line
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, write_new_json
 from lab_helpers.core.numbers import whole_number
-from lab_helpers.core.tables import format_bytes, text_table
+from lab_helpers.core.tables import format_bytes, phase_label, text_table
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
 from lab_helpers.real.config import load_config
@@ -155,14 +155,15 @@ def train_card_command(args) -> int:
 
 
 def train_fit_table(result: dict) -> str:
-    lines = [f"budget: {result['budget_bytes']} bytes ({result['budget_source']})",
+    lines = [f"budget: {format_bytes(result['budget_bytes'])} ({result['budget_source']})",
              f"training: {result['train']} fine-tuning"
              + (f" on the {result['quantize']} base" if "quantize" in result else "") + f", {result['optimizer']}"
              + (", gradient checkpointing" if result["gradient_checkpointing"] else "")
              + (f", {result['autocast']} autocast" if "autocast" in result else "")]
     if "fits" in result:
         lines.append(f"batch {result['batch']} x context {result['context']}: "
-                     + (f"fits, peak reserved {result['peak_reserved_bytes']}, headroom {result['headroom_bytes']} bytes"
+                     + (f"fits, peak reserved {format_bytes(result['peak_reserved_bytes'])}, headroom "
+                        f"{format_bytes(result['headroom_bytes'])}"
                         if result["fits"] else "does NOT fit"))
     if "largest_context_at_batch" in result:
         lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']}")
@@ -179,15 +180,11 @@ def compare_train_model_command(args, document: dict) -> int:
     return EXIT_OK
 
 
-def _step_label(record) -> str:
-    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
-
-
 def train_prediction_table(result: dict) -> str:
     c = result["configuration"]
     header = ("phase", "end allocated", "peak allocated", "peak reserved", "gradients", "optimizer states",
               "activations")
-    rows = [(_step_label(p), format_bytes(p["end_allocated_bytes"]), format_bytes(p["peak_allocated_bytes"]),
+    rows = [(phase_label(p), format_bytes(p["end_allocated_bytes"]), format_bytes(p["peak_allocated_bytes"]),
              format_bytes(p["peak_reserved_bytes"]), format_bytes(p["end_allocated_bytes_by_kind"]["gradients"]),
              format_bytes(p["end_allocated_bytes_by_kind"]["optimizer_states"]),
              format_bytes(p["end_allocated_bytes_by_kind"]["activations"])) for p in result["phases"]]
@@ -209,7 +206,7 @@ def train_prediction_table(result: dict) -> str:
 def train_comparison_table(result: dict) -> str:
     header = ("phase", "measured peak allocated", "predicted", "difference B", "measured peak reserved",
               "predicted", "difference B")
-    rows = [(_step_label(r), format_bytes(r["measured_peak_allocated_bytes"]),
+    rows = [(phase_label(r), format_bytes(r["measured_peak_allocated_bytes"]),
              format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
              format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
              f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]

@@ -1,31 +1,12 @@
 """The tables for people of predict and compare."""
 
-from lab_helpers.core.tables import format_bytes, text_table
-
-
-def _label(record) -> str:
-    return record["phase"] if record.get("index") is None else f"{record['phase']} #{record['index']}"
+from lab_helpers.core.tables import format_bytes, phase_label, rank_groups, ranks_label, text_table
 
 
 def _sizes_line(configuration) -> str:
     c = configuration
     return (f"batch {c['batch']}, context {c['context']}, width {c['width']}, hidden {c['hidden']}, "
             f"{c['dtype']}, warmup {c['warmup']}, repeats {c['repeats']}")
-
-
-def _rank_groups(ranks: list) -> list:
-    """[(rank numbers, phases)]: consecutive ranks with identical phases shown once."""
-    groups = []
-    for rank in ranks:
-        if groups and groups[-1][1] == rank["phases"]:
-            groups[-1][0].append(rank["rank"])
-        else:
-            groups.append(([rank["rank"]], rank["phases"]))
-    return groups
-
-
-def _ranks_label(numbers: list) -> str:
-    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
 
 
 def predict_table(result: dict) -> str:
@@ -36,15 +17,15 @@ def predict_table(result: dict) -> str:
     workspace = " + ".join(str(b) for b in result["workspace"]["bytes"]) or "0"
     lines = [f"prediction: {_sizes_line(result['configuration'])}"]
     if "ranks" in result:
-        for numbers, phases in _rank_groups(result["ranks"]):
-            lines.append(f"{_ranks_label(numbers)}:")
-            lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters)) for p in phases]))
+        for numbers, phases in rank_groups(result["ranks"]):
+            lines.append(f"{ranks_label(numbers)}:")
+            lines.append(text_table(header, [(phase_label(p), *(format_bytes(p[k]) for k in counters)) for p in phases]))
     else:
-        lines.append(text_table(header, [(_label(p), *(format_bytes(p[k]) for k in counters))
+        lines.append(text_table(header, [(phase_label(p), *(format_bytes(p[k]) for k in counters))
                                          for p in result["phases"]]))
     lines.append(synthetic_budget_line(result.get("budget") or {}))
     for r in result.get("cache_releases", ()) if "ranks" not in result else ():
-        lines.append(f"release and retry in {_label(r)}: {format_bytes(r['released_bytes'])} of free cached "
+        lines.append(f"release and retry in {phase_label(r)}: {format_bytes(r['released_bytes'])} of free cached "
                      f"segments given back, reserved {format_bytes(r['reserved_bytes_after'])} after")
     if result.get("out_of_memory"):
         lines.append(synthetic_out_of_memory_line(result["out_of_memory"]))
@@ -65,8 +46,8 @@ def synthetic_budget_line(budget: dict) -> str:
 def synthetic_out_of_memory_line(oom: dict) -> str:
     rank = f"rank {oom['rank']}, " if "rank" in oom else ""
     if "message" in oom:  # the expandable-segments model says it in words
-        return f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: {oom['message']}"
-    return (f"OUT OF MEMORY predicted in phase {rank}{_label(oom)}: tried to allocate "
+        return f"OUT OF MEMORY predicted in phase {rank}{phase_label(oom)}: {oom['message']}"
+    return (f"OUT OF MEMORY predicted in phase {rank}{phase_label(oom)}: tried to allocate "
             f"{format_bytes(oom['segment_bytes'])} (request {oom['request_bytes']} bytes) with "
             f"{format_bytes(oom['reserved_bytes'])} reserved, {format_bytes(oom['allocated_bytes'])} allocated, "
             f"budget {format_bytes(oom['budget_bytes'])}, after releasing "
@@ -94,7 +75,7 @@ def _compare_rows_table(result: dict) -> str:
               "measured peak reserved", "predicted", "difference B")
     rows = []
     for r in result["rows"]:
-        rows.append((_label(r),
+        rows.append((phase_label(r),
                      format_bytes(r["measured_peak_allocated_bytes"]), format_bytes(r["predicted_peak_allocated_bytes"]),
                      f"{r['difference_peak_allocated_bytes']:+d}",
                      format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
