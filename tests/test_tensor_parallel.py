@@ -562,6 +562,8 @@ def test_environment_lists_every_visible_gpu(mm, monkeypatch):
     ]
     table = mm.environment_table(got).splitlines()
     assert table[-4:-3] == ["visible GPUs:"] or "visible GPUs:" in table
+    assert [line.split(None, 1) for line in table if line.startswith(("total_memory_bytes", "usable_memory_bytes"))] == [
+        ["total_memory_bytes", "150.00 GiB (161061273600 B)"], ["usable_memory_bytes", "99.00 GiB (106300440576 B)"]]
     rows = table[table.index("visible GPUs:") + 2:]
     assert [row.split()[0] for row in rows] == ["cuda:0", "cuda:1", "cuda:2"]
     assert "unavailable: no answer within 180 s" in rows[1]

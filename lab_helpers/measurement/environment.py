@@ -215,7 +215,12 @@ def environment_table(result: dict) -> str:
     """The environment report as 'key  value' lines, then one row per visible GPU, for people."""
     fields = {key: value for key, value in result.items() if key != "devices"}
     width = max(map(len, fields))
-    lines = [f"{key.ljust(width)}  {'' if value is None else value}".rstrip() for key, value in fields.items()]
+
+    def shown(key, value):  # a size for people, the exact bytes beside it
+        if value is None:
+            return ""
+        return format_bytes(value) if key.endswith("_bytes") and type(value) is int else value
+    lines = [f"{key.ljust(width)}  {shown(key, value)}".rstrip() for key, value in fields.items()]
     if "devices" not in result:
         return "\n".join(lines)
     if not result["devices"]:
