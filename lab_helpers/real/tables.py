@@ -8,7 +8,7 @@ PHASE_COUNTERS = ("end_allocated_bytes", "peak_allocated_bytes", "end_reserved_b
 
 
 def _phase_tables(phases: list) -> list:
-    """One phase's counters, then what its end allocated is made of (the kinds add up to it) and the
+    """Each phase's counters, then what its end allocated is made of (the kinds add up to it) and the
     largest transient above it, sizes in MiB or GiB with the bytes beside them."""
     kinds = list(phases[0]["end_allocated_bytes_by_kind"]) if phases else []
     counters = text_table(("phase", "end allocated", "peak allocated", "end reserved", "peak reserved"),
