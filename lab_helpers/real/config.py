@@ -170,7 +170,15 @@ def built_model_facts(raw: dict) -> dict:
         import torch
         plain_tqdm_in_notebooks()
         from transformers import AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
         config = transformers_config_of(raw)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+        if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
+            # the lab measures and predicts SDPA attention alone; this class would run another (eager)
+            raise ConfigError(f"config key 'model_type': {printable(str(raw.get('model_type')))!r} builds "
+                              f"{model_class.__name__}, which has no SDPA attention in transformers "
+                              f"{_transformers_version()}; the lab measures and predicts SDPA attention only, "
+                              f"so it cannot predict the attention this model would run")
         with torch.device("meta"):
             try:
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
