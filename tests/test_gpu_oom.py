@@ -116,7 +116,7 @@ def test_real_model_out_of_memory_in_prefill_keeps_the_embeddings(tmp_path):
 HOLDER = r"""
 import sys, torch
 held = []
-for chunk in (2**30, 2**20 // 2):  # 1 GiB blocks, then 512 KiB ones (2 MiB segments): under 2 MiB left
+for chunk in (2**30, 2**20 // 2):  # 1 GiB blocks, then 512 KiB ones (2 MiB segments): a few MiB left at most
     while True:
         try:
             held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda:0"))
@@ -128,13 +128,15 @@ sys.stdin.read()
 
 
 def test_a_device_another_process_fills_ends_measure_at_the_context_in_one_line(tmp_path):
-    """Another process holds all but under 2 MiB of the device: creating this run's CUDA context fails,
-    and each measuring command says so in one line, exit 3, no file written (run this test alone)."""
+    """Another process holds all but a few MiB of the device (the driver keeps some it will not hand out:
+    3276800 bytes on the H200), far below the hundreds of MiB a CUDA context takes: creating this run's
+    context fails, and each measuring command says so in one line, exit 3, no file written (run this test
+    alone)."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=CHILD_ENV, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         free = int(holder.stdout.readline())
-        assert free < 2 * 2**20, free
+        assert free < 64 * 2**20, free
         commands = {
             "real_model": ["-m", "lab_helpers.real_model", "measure", "--config", "qwen1.5-0.5b", "--batch", 1,
                            "--context", 8, "--new-tokens", 1, "--device", CHILD_DEVICE, "--output",
