@@ -156,6 +156,35 @@ def test_tracer_counts_new_storages_only_and_applies_releases_before_the_next_al
     assert (alloc.allocated, alloc.reserved) == (0, 22 * MIB)
 
 
+@pytest.mark.parametrize("config", [TINY, {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                            "vocab_size": 1000, "n_positions": 256}], ids=["llama", "gpt2"])
+def test_weight_initialisation_skips_the_meta_kernel_of_normal_and_traces_the_same_load(config, monkeypatch):
+    from lab_helpers.real import tracer as tracer_module
+    from lab_helpers.real.config import parse_config
+    from lab_helpers.real.replay import trace_load
+    shape = parse_config(dict(config), "tiny")
+    calls = []
+    original = tracer_module.AllocationTracer._run
+
+    def counted(self, func, args, kwargs):
+        calls.append(func)
+        return original(self, func, args, kwargs)
+    monkeypatch.setattr(tracer_module.AllocationTracer, "_run", counted)
+    fast, _, _ = trace_load(shape, "bfloat16", 1, None)
+    assert torch.ops.aten.normal_.default in calls  # the initialisation did reach the shortcut
+    monkeypatch.setattr(tracer_module, "DATA_ONLY_IN_PLACE", frozenset())  # every meta kernel run
+    slow, _, _ = trace_load(shape, "bfloat16", 1, None)
+    assert (fast.events, fast.weights, fast.requests) == (slow.events, slow.weights, slow.requests)
+    assert fast.requests > 0
+
+
+def test_normal_on_a_cpu_tensor_under_the_tracer_still_draws():
+    values = torch.zeros(4096)
+    with AllocationTracer(AllocatorModel()):
+        values.normal_()
+    assert values.std().item() > 0.5  # drawn, not left as it was
+
+
 def test_tracer_adds_the_math_libraries_workspaces_once_after_the_first_products():
     alloc = AllocatorModel()
     tracer = AllocationTracer(alloc)
