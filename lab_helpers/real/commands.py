@@ -20,6 +20,7 @@ from pathlib import Path
 from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
 from lab_helpers.allocator.settings import (ALLOCATOR_CONF_HELP, allocator_settings, default_allocator_only,
                                             put_in_force, recorded_settings)
+from lab_helpers.core.collector import before_exit, for_this_process
 from lab_helpers.core.cli import Command, Program, error_line, program_parser, quiet_broken_pipe, run
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
@@ -395,8 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 @quiet_broken_pipe
 def main(argv=None) -> int:
-    """Command-line entry point; returns the exit code."""
-    return run(PROGRAM, argv)
+    """The commands on `argv`; returns the exit code. With no `argv` they are the process's own command
+    line (`iteragpu-model`, `python -m lab_helpers.real_model`), a process that ends with its command:
+    the collector is set for one (lab_helpers.core.collector)."""
+    if argv is None:
+        for_this_process()
+    code = run(PROGRAM, argv)
+    if argv is None:
+        before_exit()
+    return code
 
 
 if __name__ == "__main__":

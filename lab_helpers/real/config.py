@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab_helpers.allocator.model import AllocatorModel
+from lab_helpers.core.collector import loading_libraries
 from lab_helpers.core.errors import LabError, safe_reason
 from lab_helpers.core.files import read_bounded_text
 from lab_helpers.core.text import printable
@@ -389,6 +390,11 @@ def parse_config(raw, name: str, shape_cache=None) -> ModelShape:
     for key, value in raw.items():
         _check_values(value, key)
     model_type = _refuse_before_transformers(raw)
+    with loading_libraries():  # most of torch and transformers is imported here (core.collector)
+        return _shape_of(raw, name, model_type, shape_cache)
+
+
+def _shape_of(raw: dict, name: str, model_type: str, shape_cache) -> ModelShape:
     # torch before transformers: a Python without torch then ends in the lab's one line naming it
     # (core.cli.run), not after transformers' own "PyTorch was not found" warning on stderr
     import torch
