@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from lab_helpers.core import forked
 from lab_helpers.real import layers as layer_module
 from lab_helpers.real.config import parse_config
 from lab_helpers.real.layers import Split, TEMPLATE_LAYERS, NotExpandable, uniform_layers, well_formed
@@ -134,6 +135,32 @@ def test_runs_traced_in_one_session_equal_runs_each_traced_in_a_fresh_one(name, 
                                                                       fresh.decode_steps)
     assert session.layer_expanded == [(b, t, 3) for b, t in sizes]
     assert session._layers.layouts  # filled by the first run, read by the next ones
+
+
+@pytest.mark.parametrize("name, layers, changes, degree", SHARED_CASES)
+def test_the_larger_trace_made_in_a_child_equals_the_one_made_here(name, layers, changes, degree, monkeypatch):
+    """The smaller models' two traces of a run: the larger one traced in a forked child (a second core)
+    gives the runs of a session traced with no child, run after run, and came from the child each time."""
+    shape = shape_of(name, layers, **changes)
+    sizes = [(2, 37), (1, 70), (3, 38)]
+    runs, from_child = {}, []
+    original = forked.Forked.result
+
+    def result(self):
+        value = original(self)
+        from_child.append(self.from_child)
+        return value
+
+    monkeypatch.setattr(forked.Forked, "result", result)
+    for child in (True, False):
+        monkeypatch.setattr(forked, "forking_helps", lambda: child)
+        with fake_process_group(0, degree) if degree > 1 else nullcontext() as mesh:
+            session = TraceSession(shape, "bfloat16", degree, 0, TraceCache(None), expand=False, expand_layers=True)
+            runs[child] = [session.run(batch, context, 3, mesh) for batch, context in sizes]
+        assert session.layer_expanded == [(b, t, 3) for b, t in sizes]
+    assert from_child == [True] * len(sizes) + [False] * len(sizes)
+    assert [(r.phases, r.persistent, r.decode_steps) for r in runs[True]] == \
+        [(r.phases, r.persistent, r.decode_steps) for r in runs[False]]
 
 
 # (config, layers, changes, batch, context, new tokens, tensor parallel): predictions with the decode steps

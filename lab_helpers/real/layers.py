@@ -26,6 +26,7 @@ Where any of it fails, the run is traced whole (`expanded_run` answers None).
 import functools
 from dataclasses import replace
 
+from lab_helpers.core.forked import Forked
 from lab_helpers.real.replay import RequestRecorder, RunTrace, trace_load, trace_run
 
 # the transformers families whose runs were checked to expand (tests/test_layer_expansion.py: every
@@ -387,13 +388,16 @@ class LayerExpansion:
     def run(self, spec, load, decode_steps: int) -> "RunTrace | None":
         """The run of `spec` (its first `decode_steps` decode steps) for the full model whose load is
         `load`: expanded from the smaller models' traces, or None where any check fails."""
-        traced = []
-        for small, small_load, model, layers in self.models:
-            trace, marks = trace_marked_run(small, spec, model, small_load, self.mesh, decode_steps, layers,
-                                            self.layouts)
-            traced.append((trace, marks, small_load))
+        def traced(which):
+            small, small_load, model, layers = self.models[which]
+            return trace_marked_run(small, spec, model, small_load, self.mesh, decode_steps, layers, self.layouts)
+
+        # the two traces are independent: the larger one runs on a second core where there is one
+        with Forked(lambda: traced(1)) as larger:
+            a, a_marks = traced(0)
+            b, b_marks = larger.result()
+        a_load, b_load = self.models[0][1], self.models[1][1]
         try:
-            (a, a_marks, a_load), (b, b_marks, b_load) = traced
             template = Split(a, a_marks, TEMPLATE_LAYERS, a_load.requests)
             Split(b, b_marks, TEMPLATE_LAYERS + 1, b_load.requests)  # the larger trace cuts the same way
             back, ahead = template.reach()
