@@ -49,6 +49,8 @@ def test_a_child_is_made_only_with_two_cores_and_one_python_thread(monkeypatch):
     monkeypatch.undo()  # the autouse fixture's stand-in: the real rule here
     monkeypatch.setattr(forked.sys, "platform", "linux")
     monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: {0, 1})
+    # an earlier test of this worker may have left a thread of its own: the count is set here
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
     assert forked.forking_helps()
     monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: {3})
     assert not forked.forking_helps()
@@ -56,6 +58,13 @@ def test_a_child_is_made_only_with_two_cores_and_one_python_thread(monkeypatch):
     monkeypatch.setattr(forked.sys, "platform", "darwin")
     assert not forked.forking_helps()
     monkeypatch.setattr(forked.sys, "platform", "linux")
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 2)
+    assert not forked.forking_helps()
+
+
+def test_another_python_thread_leaves_the_function_to_this_process(monkeypatch):
+    monkeypatch.undo()
+    monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: {0, 1})
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
@@ -66,7 +75,7 @@ def test_a_child_is_made_only_with_two_cores_and_one_python_thread(monkeypatch):
     finally:
         stop.set()
         other.join()
-    assert forked.forking_helps()
+    assert not block.from_child
 
 
 def test_without_a_second_core_the_function_runs_here(monkeypatch):
