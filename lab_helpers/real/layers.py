@@ -392,7 +392,9 @@ class LayerExpansion:
             small, small_load, model, layers = self.models[which]
             return trace_marked_run(small, spec, model, small_load, self.mesh, decode_steps, layers, self.layouts)
 
-        # the two traces are independent: the larger one runs on a second core where there is one
+        # the two traces are independent: the larger one runs on a second core where there is one;
+        # what a child adds to the layouts cache stays in it, and the smaller trace here adds the same
+        # layouts (the two models run the same kernels), so the next probe's child starts with them
         with Forked(lambda: traced(1)) as larger:
             a, a_marks = traced(0)
             b, b_marks = larger.result()
