@@ -114,9 +114,16 @@ def _prints():
     return "quiet"
 
 
-@pytest.mark.parametrize("function", [_exits, _killed, _raises_in_child, _unpicklable],
-                         ids=["exit 3", "SIGKILL", "an exception", "a value that does not pickle"])
-def test_a_child_that_fails_leaves_the_function_to_this_process(function):
+def _hangs_in_child():
+    if in_child():
+        time.sleep(3600)
+    return "here"
+
+
+@pytest.mark.parametrize("function", [_exits, _killed, _raises_in_child, _unpicklable, _hangs_in_child],
+                         ids=["exit 3", "SIGKILL", "an exception", "a value that does not pickle", "no answer"])
+def test_a_child_that_fails_leaves_the_function_to_this_process(function, monkeypatch):
+    monkeypatch.setattr(forked, "CHILD_PATIENCE_SECONDS", 0.2)  # a child that never answers is stopped
     with Forked(function) as other:
         pid = other.pid
         assert other.result() == "here"
@@ -130,20 +137,6 @@ def test_an_exception_of_the_function_is_raised_here():
     with Forked(fails) as other:
         with pytest.raises(ValueError, match=f"in {PARENT}$"):
             other.result()
-
-
-def test_a_child_that_never_answers_is_stopped(monkeypatch):
-    monkeypatch.setattr(forked, "CHILD_PATIENCE_SECONDS", 0.2)
-
-    def hangs():
-        if in_child():
-            time.sleep(3600)
-        return "here"
-
-    with Forked(hangs) as other:
-        pid = other.pid
-        assert other.result() == "here"
-    assert not other.from_child and no_child_left(pid)
 
 
 def test_leaving_the_block_stops_a_child_not_read():
