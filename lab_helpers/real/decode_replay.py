@@ -130,7 +130,8 @@ class DecodeReplayer:
         if end <= s:
             return
         sizes, first1 = self.sizes, self.first1
-        ops, in_large = [], []  # ops: [is a request, bytes, difference per step, its place, position, small max]
+        # ops: [is a request, bytes, difference per step, its place, position, small max, released next]
+        ops, in_large = [], []
         profile = smax0 = 0  # the small pool's allocated bytes since the step's start; their highest
         rank = 0
         for p, event in enumerate(events):
@@ -165,6 +166,12 @@ class DecodeReplayer:
                     smax0 = max(smax0, profile)
         if profile != 0:  # the small pool holds more or less after the step: not a repeating state
             return
+        # a request released by the next large event (a workspace) leaves the large pool as it found it:
+        # the block it takes is whole again, at its place in the free list, once released
+        for op, after in zip(ops, ops[1:]):
+            op.append(op[0] and not after[0] and ~events[after[4]] == first + op[3])
+        if ops:
+            ops[-1].append(False)
         self.ops = [tuple(op) for op in ops]
         self.smax0, self.in_large = smax0, in_large
         self.span, self.base_step, self.period = (s + 1, end), s, period
@@ -207,7 +214,7 @@ class DecodeReplayer:
         first = limit + (step - self.base_step - 1) * self.shift
         peak = alloc.allocated + self.smax0
         malloc, free, live_large = alloc.malloc, alloc.free, self.live_large
-        for is_malloc, e, d, r, position, smax in self.ops:
+        for is_malloc, e, d, r, position, smax, _ in self.ops:
             if is_malloc:
                 try:
                     large[first + r] = malloc(e + j * d)
@@ -241,13 +248,31 @@ class DecodeReplayer:
         large_keys, large_blocks = pools[False].keys, pools[False].blocks
         shift, bias, min_block, small_max = ADDRESS_BITS, ADDRESS_BIAS, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
         block_type = None  # the allocator's block class, from the first block taken
-        for is_malloc, e, d, r, position, smax in self.ops:
+        passing = False  # the last request taken was released by this event: nothing to undo
+        for is_malloc, e, d, r, position, smax, released_next in self.ops:
+            if passing:
+                passing = False
+                v = allocated + smax
+                if v > peak:
+                    peak = v
+                continue
             if is_malloc:
                 request = e + j * d
                 size = min_block if request <= min_block else -(-request // min_block) * min_block
                 small = size <= small_max
                 keys, members = (small_keys, small_blocks) if small else (large_keys, large_blocks)
                 i = bisect_left(keys, size << shift)
+                if released_next and i < len(keys):
+                    # taken and released with no large event between: the block, split or not, is
+                    # merged back whole (a free block has no free neighbour) and put back where it
+                    # was; only allocated moves meanwhile, by what the allocator would hand out
+                    remaining = members[i].size - size
+                    split = remaining >= min_block if small else remaining > small_max
+                    v = allocated + (size if split else members[i].size) + smax
+                    if v > peak:
+                        peak = v
+                    passing = True
+                    continue
                 if i == len(keys):  # a new segment: the allocator's own malloc
                     alloc.allocated = allocated
                     try:
