@@ -315,14 +315,14 @@ def test_bulk_steps_written_out_equal_bulk_steps_through_the_allocator_calls(cha
     assert all(stats["bulk_steps"] > 0 for _, stats in written_out)
 
 
-@pytest.mark.parametrize("changes", [{}, {"transient": 17 * MIB + 512}, {"late": (900 * 1024,) * 4},
-                                     {"transient": 30 * MIB, "late": (1000 * 1024,) * 40}])
+@pytest.mark.parametrize("changes", [{}, {"transient": 17 * MIB + 512}, {"transient": 40 * MIB},
+                                     {"base": 2 * MIB, "growth": 4096, "late": (1000 * 1024,) * 4}])
 def test_a_bulk_step_passes_over_a_request_released_by_the_next_large_event(changes, monkeypatch):
     """The transient of each layer (taken, then released before any other large request) is marked in
     the bulk steps' plan, the key/value tensors are not: the bulk replay finds its block, counts it in
     allocated and the peak (the whole block where the allocator would not split it: 17 MiB and 512 bytes
     in an 18 MiB segment), and leaves the large pool as it was; the small requests made after its
-    release, more than it held, still count in the peak. The outcomes equal those of every step replayed
+    release, more than the key/value tensor it follows, still count in the peak. The outcomes equal those of every step replayed
     request by request, unbounded and under budgets down past the peak allocated (a transient larger
     than any cached block takes a new segment, through the allocator's own malloc)."""
     from lab_helpers.real.decode_replay import DecodeReplayer
