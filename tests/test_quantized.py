@@ -5,6 +5,7 @@ transformers 5.17.0, bitsandbytes 0.50.2, 2026-12-01 and 2026-12-02; docs/valida
 docs/validation/2026-12-02-one-h200.md):
 from_pretrained of a random bfloat16 checkpoint with a BitsAndBytesConfig, the prompt, the prefill
 and three decode steps, each phase's (end allocated, end reserved, peak allocated, peak reserved)."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("bitsandbytes")  # in .ci/requirements-test.txt: present wherever the suite runs
+# in .ci/requirements-test.txt: present wherever the suite runs. Looked up, not imported: importing it
+# (torch._dynamo with it) costs seconds of every pytest worker's collection, the lab imports it itself
+# where a test needs it, and an installation that cannot be imported fails there instead of skipping
+if importlib.util.find_spec("bitsandbytes") is None:
+    pytest.skip("bitsandbytes is not installed", allow_module_level=True)
+# its import, now in the first test that needs it, meets a deprecation of torch.jit that pytest would
+# show once per scripted function (it was at collection, where none was shown)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 from conftest import training_measurement  # noqa: E402
 from lab_helpers.core.errors import LabError  # noqa: E402
