@@ -352,3 +352,21 @@ def test_nccl_bytes_measured_on_the_h200_at_two(tmp_path):
     assert (by_gpu["h100-sxm"]["tensor_parallel"], by_gpu["h100-sxm"]["nccl_source"],
             by_gpu["h100-sxm"]["rank_budget_bytes"]) == (2, "derived, not measured",
                                                          TOTAL_BUDGETS["h100-sxm"] - NCCL)
+
+
+def test_the_old_forfait_fit_command_runs_the_card_fit_and_says_where_it_lives(capsys, qwen_result):
+    from lab_helpers.real.card_commands import MOVED_NOTE, main as forfait_fit_main
+    status = forfait_fit_main(QWEN[2:] + ["--days", "7", "--accepted-results", "2"])
+    out, err = capsys.readouterr()
+    assert status == 0 and json.loads(out) == qwen_result
+    assert err == MOVED_NOTE + "\n"
+
+
+def test_the_old_forfait_fit_command_refuses_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "lab_helpers.forfait_fit", "--config", "gpt2", "--batch", "1",
+                           "--context", "8", "--new-tokens", "2", "--days", "9"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "real_model: error: argument --days: invalid choice: 9 (choose from 3, 7, 30)\n"
