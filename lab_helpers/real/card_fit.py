@@ -22,6 +22,7 @@ from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parall
 from lab_helpers.real.budget import (DERIVED, MEASURED, MEASURED_NCCL_OUTSIDE, NCCL_REFERENCE, budget_rule_text,
                                      device_budget, nccl_outside)
 from lab_helpers.real.fit import MAX_FIT_DECODE_STEPS, SearchBounded, fits_at_degree
+from lab_helpers.real.progress import progress_bar
 from lab_helpers.real.spec import RunSpec
 
 CARD_FIT_KIND = "iteragpu-lab cheapest forfait"
@@ -189,7 +190,8 @@ def cheapest_forfaits(shape: ModelShape, spec: RunSpec, days: int, rows: list, a
         return capped_where_needed(cache, predict_once, degree, budget)
 
     fitting, not_fitting, unsearched = [], [], []
-    for gpu, row in card_models(rows, days).items():
+    models = card_models(rows, days)
+    for gpu, row in progress_bar(len(models), "card: GPU models", "GPU model", models.items()):
         budget = gpu_budget_bytes(row)
         try:
             found = next(((d, fits_once(d, rank_budget_bytes(gpu, budget["budget_bytes"], d))) for d in allowed

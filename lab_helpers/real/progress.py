@@ -1,6 +1,7 @@
 """Progress of the long steps (tracing a run, a search's predictions): tqdm's plain bar on stderr that
 appears only after two seconds, and only on a terminal or in a Jupyter kernel, so that programs reading
 the output and quick answers see nothing of it."""
+import contextlib
 import sys
 
 PROGRESS_DELAY_SECONDS = 2.0
@@ -36,3 +37,21 @@ def plain_tqdm_in_notebooks() -> None:
         warnings.filterwarnings("ignore", message="IProgress not found")
         import tqdm.auto
     del tqdm.auto  # only its import, now done, matters
+
+
+@contextlib.contextmanager
+def stage(description: str):
+    """One line on a terminal's stderr while a step with no steps of its own runs (importing torch and
+    transformers, building a config), erased when it ends; nothing when stderr is not a terminal or
+    in a Jupyter kernel."""
+    stream = sys.stderr
+    shown = hasattr(stream, "isatty") and stream.isatty() and "ipykernel" not in sys.modules
+    if shown:
+        stream.write(f"{description}...")
+        stream.flush()
+    try:
+        yield
+    finally:
+        if shown:
+            stream.write("\r\x1b[K")  # back to the line's start, then erase it
+            stream.flush()
