@@ -25,7 +25,7 @@ fi
 start=$SECONDS
 if [ ! -x "$venv/bin/python" ]; then
   # Measured on a 2-core machine with a fast package index; a slow network adds to it.
-  echo "venv: first set-up of .venv ($purpose): torch, JupyterLab, pandas, matplotlib, transformers$([ "$purpose" = test ] && echo ', pytest, nbval'),"
+  echo "venv: first set-up of .venv ($purpose): torch, JupyterLab, pandas, matplotlib, transformers, peft, bitsandbytes$([ "$purpose" = test ] && echo ', pytest, nbval'),"
   echo "venv: then this project itself. Usually about 2 minutes on 2 cores; pip stays quiet meanwhile."
   if python3 -c 'import torch' 2>/dev/null; then
     python3 -m venv --system-site-packages "$venv"

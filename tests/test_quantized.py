@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-# in .ci/requirements-test.txt: present wherever the suite runs. Looked up, not imported: importing it
+# in requirements.txt, wherever its wheel exists. Looked up, not imported: importing it
 # (torch._dynamo with it) costs seconds of every pytest worker's collection, the lab imports it itself
 # where a test needs it, and an installation that cannot be imported fails there instead of skipping
 if importlib.util.find_spec("bitsandbytes") is None:

@@ -83,8 +83,11 @@ def _import_bitsandbytes():
     logging.getLogger(BITSANDBYTES_PRODUCT_LOGGER).setLevel(logging.ERROR)
     try:
         import bitsandbytes
-    except ModuleNotFoundError:
-        raise LabError("--quantize needs bitsandbytes (pinned 0.50.2): run `make lab`") from None
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "bitsandbytes":
+            raise
+        from lab_helpers.core.packages import missing_message
+        raise LabError(missing_message("bitsandbytes", "--quantize")) from None
     return bitsandbytes
 
 

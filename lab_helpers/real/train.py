@@ -256,8 +256,8 @@ def import_peft(mode: str = "lora"):
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "peft":
             raise
-        raise LabError(f"--train {mode} needs peft (pip install peft==0.21.2, the version the lab is checked "
-                       "with); it is not installed") from None
+        from lab_helpers.core.packages import missing_message
+        raise LabError(missing_message("peft", f"--train {mode}")) from None
     return peft
 
 
@@ -271,12 +271,14 @@ def prepare_kbit_training(model, spec: TrainSpec, empty_cache):
     empty_cache only where torch.cuda.is_available(): its own call is turned off here and made
     through `empty_cache`, so that the meta trace replays it wherever the prediction runs."""
     import inspect
+
+    from lab_helpers.core.packages import install_command
     peft = import_peft("qlora")
     # the replay follows peft 0.21.2, which empties the cache after its casts behind this switch: a
     # peft without the switch is not the one modelled (its release, if any, is unknown to the lab)
     if "auto_clear_cache" not in inspect.signature(peft.prepare_model_for_kbit_training).parameters:
         raise LabError(f"--train qlora is modelled with peft 0.21.2's prepare_model_for_kbit_training (its "
-                       f"auto_clear_cache); peft {peft.__version__} has none: pip install peft==0.21.2")
+                       f"auto_clear_cache); peft {peft.__version__} has none: {install_command('peft')}")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.gradient_checkpointing,
                                                  auto_clear_cache=False)
     empty_cache()
