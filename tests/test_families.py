@@ -44,6 +44,8 @@ FAMILIES = {
                         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=14,
                         **NO_IDS),
 }
+# GPT-2 ignores the Llama-style keys: its MLP is n_inner (4 x n_embd) wide, its cache holds every head
+FAMILIES["gpt2-llama-keys"] = dict(FAMILIES["gpt2"], intermediate_size=128, num_key_value_heads=2)
 # past every tiny window: the sliding layers crop during the prefill and every decode step
 SPEC = dict(batch=2, context=11, new_tokens=3)
 
@@ -98,6 +100,64 @@ def test_each_family_predicts_and_its_cache_is_the_shape_figure(family):
     run_protocol(shape, spec, torch.device("meta"), phase)
     kv = [r["end_allocated_bytes_by_kind"]["kv_cache"] for r in prediction["phases"]]
     assert kv[:2] == [0, 0] and all(k > 0 for k in kv[2:])
+
+
+def built_attention_and_mlp(shape):
+    """(heads, kv_heads, head_dim, MLP width or None) of the model transformers builds on meta, read
+    from its first attention module and its first dense MLP."""
+    from transformers import AutoModelForCausalLM
+
+    from lab_helpers.real.protocol import transformers_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(shape), attn_implementation="sdpa")
+    attention = next(m for _, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    head_dim = getattr(attention, "head_dim", None) or getattr(attention, "head_size", None)
+    heads = shape.heads
+    kv_heads = heads // getattr(attention, "num_key_value_groups", 1)
+    width = None
+    for name, module in model.named_modules():
+        if name.endswith(".mlp"):
+            for child, read in (("up_proj", lambda m: m.out_features), ("c_fc", lambda m: m.nf),
+                                ("dense_h_to_4h", lambda m: m.out_features)):
+                if hasattr(module, child):
+                    width = read(getattr(module, child))
+                    break
+        if width is not None:
+            break
+    return heads, kv_heads, head_dim, width
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_shape_is_what_the_built_model_reads_and_its_cache_what_the_trace_holds(family):
+    shape = shape_of(family)
+    heads, kv_heads, head_dim, width = built_attention_and_mlp(shape)
+    if family != "deepseek_v3":  # latent attention: one cached head of other widths (its own test)
+        assert (shape.heads, shape.kv_heads, shape.head_dim) == (heads, kv_heads, head_dim)
+    if width is not None:
+        assert shape.intermediate == width
+    spec = RunSpec(family, **SPEC)
+    prediction = predict_model(shape, spec)
+    traced = []
+
+    def phase(name, action, index, recorded):
+        result = action()
+        if name == "prefill":
+            traced.append(result)
+        if name in ("prefill", "decode"):
+            traced.append(cache_bytes(traced[0]))
+        return result
+
+    run_protocol(shape, spec, torch.device("meta"), phase)
+    reported = [r["end_allocated_bytes_by_kind"]["kv_cache"] for r in prediction["phases"]
+                if r["phase"] in ("prefill", "decode")]
+    assert reported == traced[1:]
+
+
+def test_gpt2_given_llama_keys_is_described_with_its_own():
+    plain, given = shape_of("gpt2"), shape_of("gpt2-llama-keys")
+    assert (given.intermediate, given.kv_heads) == (4 * 90, 6) == (plain.intermediate, plain.kv_heads)
+    assert given.kv_cache_bytes(2, 11, "bfloat16", rounded=True) == plain.kv_cache_bytes(2, 11, "bfloat16",
+                                                                                         rounded=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

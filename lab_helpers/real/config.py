@@ -5,40 +5,23 @@ numbers); its keys are then read through transformers' own config class (AutoCon
 the family, and the lab keeps only what its figures need. A config names its file or a bundled
 one under data/models/ (architecture facts only, never weights).
 """
+import dataclasses
 import functools
 import json
-import math
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core.collector import loading_libraries
-from lab_helpers.core.errors import LabError, safe_reason
-from lab_helpers.core.files import read_bounded_text
+from lab_helpers.core.errors import safe_reason
 from lab_helpers.core.text import printable
 from lab_helpers.core.numbers import DTYPE_BYTES
-from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 from lab_helpers.real.progress import plain_tqdm_in_notebooks
+from lab_helpers.real.raw_config import (CAUSAL_LM_MAPPING, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_INTERMEDIATE,
+                                         MAX_LAYERS, MAX_MODEL_HIDDEN, MAX_POSITIONS, MAX_VOCAB, ConfigError,
+                                         RawConfig, auto_mapping_names, bounded, bundled_names, precheck_config,
+                                         precheck_raw)
 
-MODELS_DIR = REPOSITORY / "data" / "models"
-# Refused before any work: far beyond any published decoder (Llama 3.1 405B: hidden
-# 16384, 126 layers, 128 heads; the largest vocabularies are about 260k).
-MAX_MODEL_HIDDEN = 65536
-MAX_INTERMEDIATE = 262144
-MAX_LAYERS = 512
-MAX_HEADS = 1024
-MAX_HEAD_DIM = 1024
-MAX_VOCAB = 2**20
-MAX_EXPERTS = 1024
-MAX_CONFIG_BYTES = 2**20  # a config.json is a few KiB
-MAX_CONFIG_DEPTH = 32  # published configs nest 3 levels (rope_scaling, quantization_config); more is no config
-MAX_CONFIG_INTEGER = 2**63  # transformers turns some whole numbers into floats or C integers: bound them
-# rope types whose frequencies are chosen from the positions' values during the forward pass (a
-# tensor read back to Python with .item()): on the meta device there are no values to read
-DATA_DEPENDENT_ROPES = {"dynamic": "dynamic NTK scaling recomputes its frequencies from the largest position seen",
-                        "longrope": "longrope picks its short or long factors from the largest position seen"}
 # cache layer types of transformers' DynamicCache that hold keys and values per token; the
 # window of a sliding (or chunked) one bounds what it keeps
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -49,12 +32,7 @@ METADATA_KEYS = ("model_type", "architectures", "auto_map", "torch_dtype", "dtyp
 SLIDING_WINDOW_TENSOR_BYTES = 512
 
 
-class ConfigError(LabError, ValueError):
-    """A config that cannot be used: one line naming the key. A ValueError too, so that a document
-    holding a bad config reads as a malformed document where documents are checked."""
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelShape:
     """What the memory of inference depends on, read from transformers' own config class
     (AutoConfig) and checked once where it is built.
@@ -183,8 +161,7 @@ def built_model_facts(raw: dict) -> dict:
         with torch.device("meta"):
             try:
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-            except (TypeError, ValueError, KeyError, AssertionError, OverflowError, ZeroDivisionError,
-                    AttributeError, IndexError, RuntimeError, NotImplementedError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever the modeling code raises on this config
                 raise ConfigError(f"{key_named(exc, raw)}refused by transformers as the model is built: "
                                   f"{one_line_reason(exc)}") from None
         names = [n for n, _ in model.named_parameters()]
@@ -238,7 +215,6 @@ def transformers_config_of(raw: dict):
     """The transformers config (AutoConfig) of a config dict, with the attention the lab measures
     (SDPA); ConfigError naming the key when transformers refuses it."""
     plain_tqdm_in_notebooks()
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     import copy
@@ -258,102 +234,13 @@ def transformers_config_of(raw: dict):
     transformers_logging.set_verbosity_error()
     try:
         config = AutoConfig.for_model(raw["model_type"], **kwargs)
-    except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError,
-            StrictDataclassError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a config's __post_init__ may raise anything (ZeroDivisionError)
         # transformers validates its fields (types, rope keys, layer_types) as the config is built
         raise ConfigError(f"{key_named(exc, kwargs)}refused by transformers: {one_line_reason(exc)}") from None
     finally:
         transformers_logging.set_verbosity(verbosity)
     config._attn_implementation = "sdpa"
     return config
-
-
-def bundled_names() -> list:
-    """Names of the configs shipped under data/models/."""
-    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
-
-
-def _check_values(value, key: str, depth: int = 0) -> None:
-    """Refuse what no output may hold: nesting beyond MAX_CONFIG_DEPTH, NaN or infinities (JSON has
-    none; Python's reader makes them of 1e400 or NaN), whole numbers beyond MAX_CONFIG_INTEGER."""
-    if depth > MAX_CONFIG_DEPTH:
-        raise ConfigError(f"config key {key!r} nests too deeply (more than {MAX_CONFIG_DEPTH} levels)")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config key {key!r} is not a finite number")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CONFIG_INTEGER:
-        raise ConfigError(f"config key {key!r} is a whole number beyond {MAX_CONFIG_INTEGER}")
-    if isinstance(value, dict):
-        for inner, item in value.items():
-            _check_values(item, inner, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _check_values(item, key, depth + 1)
-
-
-# numbers of a rope block the frequency computation raises to powers or divides by
-ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                "attention_factor", "beta_fast", "beta_slow")
-
-
-def _positive_number(value, key: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"config key {key!r} must be a number > 0, got {value!r}")
-
-
-def _rope_block(raw: dict) -> "dict | None":
-    """The rope parameters as given (rope_parameters, or the older rope_scaling), checked to be an
-    object; ConfigError naming the key otherwise."""
-    for key in ("rope_parameters", "rope_scaling"):
-        block = raw.get(key)
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            raise ConfigError(f"config key {key!r} must be an object or null, got {type(block).__name__}")
-        rope_type = block.get("rope_type", block.get("type", "default"))
-        if not isinstance(rope_type, str):
-            raise ConfigError(f"config key {key!r}: 'rope_type' must be a string, got {rope_type!r}")
-        for inner in ROPE_NUMBERS:
-            if inner in block:
-                _positive_number(block[inner], f"{key}.{inner}")
-        if rope_type in DATA_DEPENDENT_ROPES:
-            raise ConfigError(f"config key {key!r}: rope_type {rope_type!r} is not covered: "
-                              f"{DATA_DEPENDENT_ROPES[rope_type]} at run time, a value the meta-device "
-                              f"prediction cannot read")
-        return block
-    return None
-
-
-def _bounded(value, key: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"config key {key!r} must be a whole number, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigError(f"config key {key!r} must be from {low} to {high}, got {value}")
-    return value
-
-
-def _refuse_before_transformers(raw: dict) -> str:
-    """What is refused before transformers is asked: the model type's form, remote code,
-    quantized weights, rope types chosen from the positions' values. Returns the model type."""
-    if "model_type" not in raw:
-        raise ConfigError("config lacks the required key 'model_type' (transformers chooses the config "
-                          "class and the model by it)")
-    model_type = raw["model_type"]
-    if not isinstance(model_type, str):
-        raise ConfigError(f"config key 'model_type' must be a string, got {type(model_type).__name__}")
-    if raw.get("auto_map") is not None:
-        raise ConfigError("config key 'auto_map' names remote code (the model's own Python files); the lab "
-                          "never imports or downloads it, so it cannot build that model")
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ConfigError(f"config key 'quantization_config' (quant_method {printable(str(method))}): quantized "
-                          f"weights are not predicted; from_config builds unquantized weights and the "
-                          f"quantization runs its library's own CUDA kernels, which the meta-device trace cannot "
-                          f"see (remove the key to predict the unquantized model)")
-    if raw.get("rope_theta") is not None:
-        _positive_number(raw["rope_theta"], "rope_theta")
-    _rope_block(raw)
-    return model_type
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,19 +250,9 @@ def causal_lm_architectures() -> dict:
     distributed code (about 3.5 s of CPU on a 2-core machine, nearly the import of torch and transformers
     again), which a prediction from a kept trace never needs. Where the literal cannot be read, the
     module is imported (tests/test_replay.py checks that both give the same names)."""
-    import ast
-
-    import transformers
-    path = Path(transformers.__file__).parent / "models" / "auto" / "modeling_auto.py"
-    try:
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                    and getattr(node.targets[0], "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
-                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "OrderedDict"
-                    and len(node.value.args) == 1 and not node.value.keywords):
-                return dict(ast.literal_eval(node.value.args[0]))
-    except (OSError, SyntaxError, ValueError, TypeError, UnicodeDecodeError):
-        pass
+    found = auto_mapping_names("models/auto/modeling_auto.py").get(CAUSAL_LM_MAPPING)
+    if found:
+        return dict(found)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -385,13 +262,14 @@ def parse_config(raw, name: str, shape_cache=None) -> ModelShape:
     raise ConfigError naming the key. With `shape_cache` (a lab_helpers.real.trace_cache.TraceCache) the
     shape read before from the same config under the same torch, transformers and lab code is taken
     from it (reading a config class imports most of transformers: about 3 s of CPU), and a new one kept."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: a config.json must hold a JSON object")
-    for key, value in raw.items():
-        _check_values(value, key)
-    model_type = _refuse_before_transformers(raw)
+    return shape_of(precheck_raw(raw, name), shape_cache)
+
+
+def shape_of(raw_config: RawConfig, shape_cache=None) -> ModelShape:
+    """The shape of a config precheck_config (or precheck_raw) has checked, read through
+    transformers' config class; ConfigError naming the key where transformers refuses it."""
     with loading_libraries():  # most of torch and transformers is imported here (core.collector)
-        return _shape_of(raw, name, model_type, shape_cache)
+        return _shape_of(raw_config.raw, raw_config.name, raw_config.model_type, shape_cache)
 
 
 def _shape_of(raw: dict, name: str, model_type: str, shape_cache) -> ModelShape:
@@ -434,22 +312,29 @@ def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
     config = transformers_config_of(raw)
     text = config.get_text_config(decoder=True)
     aliases = getattr(text, "attribute_map", {}) or {}
+    # transformers keeps a key its config class does not declare as a plain attribute, which the
+    # family's modeling code never reads (GPT-2 given intermediate_size or num_key_value_heads):
+    # only declared fields, or their aliases, make the shape
+    declared = {f.name for f in dataclasses.fields(type(text))} if dataclasses.is_dataclass(text) else None
 
-    def read(attribute, low, high, default=None):
+    def used(attribute) -> bool:
+        return declared is None or attribute in declared or aliases.get(attribute, attribute) in declared
+
+    def read(attribute, low, high, default=None, undeclared=False):
         key = aliases.get(attribute, attribute)
-        value = getattr(text, attribute, None)
+        value = getattr(text, attribute, None) if undeclared or used(attribute) else None
         if value is None:
             if default is None:
                 raise ConfigError(f"config lacks the key {key!r} that {type(text).__name__} needs")
             return default
-        return _bounded(value, key, low, high)
+        return bounded(value, key, low, high)
 
     # a config class's defaults for the sizes are those of one published model: a file that does
     # not name them is no model's config
     given = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and text is not config else raw
     for attribute in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         key = aliases.get(attribute, attribute)
-        if attribute == "intermediate_size" and getattr(text, attribute, None) is None:
+        if attribute == "intermediate_size" and (not used(attribute) or getattr(text, attribute, None) is None):
             continue  # a class without the key (GPT-2: n_inner, four times the width by default)
         if key not in given and attribute not in given:
             raise ConfigError(f"config lacks the required key {key!r}")
@@ -460,15 +345,20 @@ def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
     vocab = read("vocab_size", 1, MAX_VOCAB)
     intermediate = read("intermediate_size", 1, MAX_INTERMEDIATE, default=0) or \
         read("n_inner", 1, MAX_INTERMEDIATE, default=4 * hidden)  # GPT-2's default: four times the width
-    if getattr(text, "head_dim", None) is None and hidden % heads:
+    # head_dim undeclared: the attention of a class with key/value heads reads it (getattr(config,
+    # "head_dim", hidden // heads)); one without (GPT-2, GPT-NeoX) splits the width by its heads
+    head_dim_read = used("head_dim") or used("num_key_value_heads")
+    if (not head_dim_read or getattr(text, "head_dim", None) is None) and hidden % heads:
         raise ConfigError(f"config key {aliases.get('num_attention_heads', 'num_attention_heads')!r} ({heads}) "
                           f"must divide {aliases.get('hidden_size', 'hidden_size')!r} ({hidden})")
-    head_dim = read("head_dim", 1, MAX_HEAD_DIM, default=hidden // heads)
+    head_dim = read("head_dim", 1, MAX_HEAD_DIM, default=hidden // heads, undeclared=True) if head_dim_read \
+        else hidden // heads
     if heads % kv_heads:
         raise ConfigError(f"config key 'num_key_value_heads' ({kv_heads}) must divide "
                           f"'num_attention_heads' ({heads})")
     key_dim = value_dim = head_dim
-    if getattr(text, "kv_lora_rank", None) is not None and getattr(text, "qk_rope_head_dim", None) is not None:
+    if used("kv_lora_rank") and getattr(text, "kv_lora_rank", None) is not None and \
+            getattr(text, "qk_rope_head_dim", None) is not None:
         # multi-head latent attention (DeepSeek-V3): transformers 5.17 caches the compressed
         # latents as one head, the normalised latent as "keys" and the rotated rope part as "values"
         key_dim = read("kv_lora_rank", 1, MAX_MODEL_HIDDEN)
@@ -479,8 +369,8 @@ def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
         raise ConfigError(f"config key 'head_dim' must be even for rotary embeddings, got {key_dim}")
     max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions is not None:
-        max_positions = _bounded(max_positions, aliases.get("max_position_embeddings", "max_position_embeddings"),
-                                 1, 2**31 - 1)
+        max_positions = bounded(max_positions, aliases.get("max_position_embeddings", "max_position_embeddings"),
+                                 1, MAX_POSITIONS)
     pad = getattr(text, "pad_token_id", None)
     # nn.Embedding's padding_idx: a token id, or counted from the end of the vocabulary when negative
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
@@ -493,11 +383,11 @@ def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
                           f"recurrent or compressed state, for which the lab has no key/value-cache figure")
     window = layer_kwargs.get("sliding_window")
     if any(t != "full_attention" for t in layer_types):
-        window = _bounded(window, "sliding_window", 1, 2**31 - 1)
+        window = bounded(window, "sliding_window", 1, MAX_POSITIONS)
     windows = tuple(None if t == "full_attention" else window for t in layer_types)
     experts = 0
     for attribute in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if isinstance(getattr(text, attribute, None), int) and getattr(text, attribute) > 0:
+        if used(attribute) and isinstance(getattr(text, attribute, None), int) and getattr(text, attribute) > 0:
             experts = read(attribute, 1, MAX_EXPERTS)
             break
     per_token = read("num_experts_per_tok", 1, MAX_EXPERTS, default=0) if experts else 0
@@ -515,78 +405,10 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _config_too_deep(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest beyond `limit`: checked before parsing, so that the
-    parser's recursion is never reached."""
-    depth, in_string, escaped = 0, False, False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char in "]}":
-            depth -= 1
-    return False
-
-
-def _refuse_constant(name):
-    raise ConfigError(f"holds {name}: not a finite number, and not JSON")
-
-
 def load_config(path_or_name: str, shape_cache=None) -> ModelShape:
     """Read a config.json path, a Hugging Face model folder holding one, or a bundled config NAME,
-    and check it (parse_config: the shape kept in `shape_cache` when given)."""
-    text = str(path_or_name)
-    path = Path(text)
-    if not text.endswith(".json") and not path.exists():
-        if text not in bundled_names():
-            raise ConfigError(f"--config {printable(text)} is neither a file nor a bundled config "
-                              f"({', '.join(bundled_names())}), nor a model folder holding a config.json")
-        path, name = MODELS_DIR / f"{text}.json", text
-        shown = path.name  # a bundled config: its file name, not where the lab is installed
-    elif path.is_dir():
-        # a Hugging Face model folder (as from_pretrained reads it): its config.json
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--config {printable(text)} is a folder without a config.json, not a regular file; "
-                              f"give a config.json, "
-                              f"a model folder holding one, or a bundled config ({', '.join(bundled_names())})")
-        name = path.resolve().name or "config"
-        path, shown = path / "config.json", str(path / "config.json")
-    else:
-        name, shown = path.stem, text  # the path as the user typed it
-    shown = printable(shown)
-    try:
-        if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{shown}: larger than {MAX_CONFIG_BYTES} bytes, not a config.json")
-    except OSError:
-        pass  # the reader below says why it cannot read it
-    try:
-        body = read_bounded_text(path, MAX_CONFIG_BYTES, "config.json", shown)
-    except LabError as exc:
-        raise ConfigError(str(exc)) from None
-    if _config_too_deep(body, MAX_CONFIG_DEPTH):
-        raise ConfigError(f"config {shown} nests too deeply (more than {MAX_CONFIG_DEPTH} levels): not a config.json")
-    try:
-        data = json.loads(body, parse_constant=_refuse_constant)
-    except ConfigError as exc:
-        raise ConfigError(f"config {shown} {exc}") from None
-    except RecursionError:  # unreachable after the depth check; kept so no traceback can leak
-        raise ConfigError(f"config {shown} nests too deeply to be a config.json") from None
-    except ValueError as exc:
-        first = (str(exc).splitlines() or ["invalid"])[0][:160]
-        raise ConfigError(f"config {shown} is not JSON: {first}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {shown} must hold a JSON object")
-    return parse_config(data, name, shape_cache)
+    and check it (precheck_config, then shape_of: the shape kept in `shape_cache` when given)."""
+    return shape_of(precheck_config(path_or_name), shape_cache)
 
 
 def check_tensor_parallel(shape: ModelShape, degree) -> None:
