@@ -48,6 +48,7 @@ NOTEBOOK_ROOTS = {
         "lab_helpers/views/explain.py",
         "lab_helpers/real/train.py",
         "lab_helpers/real/train_facts.py",
+        "lab_helpers/allocator/lesson.py",
     ),
     "notebooks/real-model.ipynb": (
         "lab_helpers/real/predict.py",
