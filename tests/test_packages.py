@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_present_package_is_required_without_a_word():
     assert packages.require("transformers", "predict") is None
-    assert packages.installed("transformers")
+    assert packages.package_installed("transformers")
 
 
 def absent(monkeypatch, *names):

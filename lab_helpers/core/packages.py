@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.paths import REPOSITORY
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,9 @@ PACKAGES = {package.name: package for package in (
     Package("nbformat", ">=5.9"),
 )}
 
-# the top of the repository this file is in (lab_helpers/core/packages.py)
-REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def installed(name: str) -> bool:
+def package_installed(name: str) -> bool:
     """Whether this Python can find the top-level module `name`, without importing it."""
     try:
         return importlib.util.find_spec(name) is not None
@@ -90,5 +89,5 @@ def require(name: str, purpose: str) -> None:
     `purpose` (what needs it: "--train lora", "--quantize") and the exact command that installs it."""
     if name not in PACKAGES:
         raise KeyError(f"{name!r} is not one of the lab's packages: {', '.join(PACKAGES)}")
-    if not installed(name):
+    if not package_installed(name):
         raise LabError(missing_message(name, purpose))
