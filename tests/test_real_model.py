@@ -17,7 +17,7 @@ from lab_helpers.core import files
 from lab_helpers.core.tables import format_bytes
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import read_measurement
-from lab_helpers.real import commands
+from lab_helpers.real import commands, early_commands
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import ConfigError, bundled_names, load_config
 from lab_helpers.real.fit import fit_model
@@ -363,7 +363,7 @@ def test_measure_without_a_gpu_exits_2_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "m.json"
     code, _, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), "--batch", 1, "--context", 8,
                             "--new-tokens", 1, "--output", out)
-    assert code == 2 and len(err) == 1 and "no CUDA device" in err[0]
+    assert code == 2 and len(err) == 1 and "no CUDA or ROCm device" in err[0]
     assert not out.exists()
 
 
@@ -625,7 +625,7 @@ def test_measure_timeline_without_a_gpu_says_so_and_writes_nothing(tmp_path, cap
     config = tiny_config(tmp_path)
     code, out, err = run_main(capsys, "measure", "--config", config, *SIZES, "--output", tmp_path / "m.json",
                               "--timeline", tmp_path / "t.json", "--timeline-stacks")
-    assert code == 2 and out == "" and len(err) == 1 and "no CUDA device" in err[0] and "CPU" in err[0]
+    assert code == 2 and out == "" and len(err) == 1 and "no CUDA or ROCm device" in err[0] and "CPU" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.json"]
 
 
@@ -646,6 +646,7 @@ def test_measure_timeline_is_written_after_the_measurement(tmp_path, monkeypatch
         return {"phases": [{}, {}, {}]}
     real_text = files.write_new_text  # write_new_json writes through it too; write_timeline names it itself
     monkeypatch.setattr(commands, "measure_model", fake_measure)
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # as on a GPU machine
     monkeypatch.setattr(files, "write_new_text", lambda p, t: (order.append(Path(p).name), real_text(p, t)))
     monkeypatch.setattr(recording, "write_new_text", lambda p, t: (order.append(Path(p).name), real_text(p, t)))
     monkeypatch.chdir(tmp_path)
@@ -663,6 +664,7 @@ def test_measure_out_of_memory_with_timeline_writes_only_the_snapshot(tmp_path, 
         error.oom_snapshot = {"kind": OOM_SNAPSHOT_KIND, "phase": error.phase, "failed_request_bytes": 2 * MIB}
         raise error
     monkeypatch.setattr(commands, "measure_model", failing_measure)
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # as on a GPU machine
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(capsys, "measure", "--config", tiny_config(tmp_path), *SIZES, "--output", "m.json",
                               "--timeline", "t.json")

@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 
 from lab_helpers.allocator.budget import MAX_MEMORY_BUDGET_BYTES
@@ -30,14 +29,16 @@ from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
-from lab_helpers.real.card_fit import card_fit, check_card_flags
-from lab_helpers.real.config import bundled_names, check_tensor_parallel, load_config
+from lab_helpers.real.card_fit import check_card_flags, cheapest_forfaits, read_card
+from lab_helpers.real.config import bundled_names, check_tensor_parallel
+from lab_helpers.real.early_commands import (check_positions, check_quantize_flags, checked_config, model_shape,
+                                             refuse_without_gpu)
 from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
 from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
 from lab_helpers.real.parallel import measure_model_parallel
 from lab_helpers.real.protocol import measure_model
-from lab_helpers.real.quantized import QUANTIZATIONS, check_quantization
+from lab_helpers.real.quantized import QUANTIZATIONS
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT, MAX_MODEL_NEW_TOKENS, RunSpec
 from lab_helpers.real.tables import model_comparison_table, model_fit_table, model_prediction_table
 from lab_helpers.real.train_commands import (add_model_train_flags, compare_train_model_command,
@@ -89,17 +90,6 @@ def add_run_flags(parser, sizes_required=True) -> None:
                              "LoRA adapters on it). int8-threshold-0: 8 bits, LLM.int8() with "
                              "llm_int8_threshold=0.0 (int8 is refused: at its default threshold the bytes depend "
                              "on the activations' values). One of: " + ", ".join(QUANTIZE_CHOICES))
-
-
-def quantized(shape, args):
-    """`shape` with --quantize's weights (checked against --dtype and --tensor-parallel)."""
-    if args.quantize is None:
-        return shape
-    if getattr(args, "card", False):
-        raise LabError("--quantize with fit --card is not modelled (the card's search splits models across GPUs); "
-                       "ask one GPU model with --gpu")
-    check_quantization(args.quantize, args.dtype, args.tensor_parallel)
-    return replace(shape, quantization=args.quantize)
 
 
 def _format_flag(parser) -> None:
@@ -206,17 +196,6 @@ def print_model_result(args, result: dict, table) -> None:
         print(json.dumps(result, indent=2))
 
 
-def check_positions(shape, args) -> "str | None":
-    """Refuse a run past the model's positions unless --beyond-positions; the note to print then."""
-    if not shape.max_positions or args.context + args.new_tokens <= shape.max_positions:
-        return None
-    what = (f"--context {args.context} plus --new-tokens {args.new_tokens} is beyond the model's "
-            f"{shape.max_positions} positions (config key 'max_position_embeddings')")
-    if not args.beyond_positions:
-        raise LabError(f"{what}; give --beyond-positions to run it anyway")
-    return f"{what}: run with --beyond-positions, the model was not trained at these positions"
-
-
 def handle_predict(args) -> int:
     if args.task == "train":
         default_allocator_only(allocator_settings(args.allocator_conf), "--task train")
@@ -225,13 +204,21 @@ def handle_predict(args) -> int:
                            "train: a training prediction is for an unbounded device (fit --task train takes one)")
         return predict_train_model_command(args)
     refuse_model_train_flags(args)
-    shape = quantized(load_config(args.config, trace_cache_of(args)), args)
-    spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
-                   decode_record_every=args.decode_record_every, tensor_parallel=args.tensor_parallel)
-    note = check_positions(shape, args)
-    check_tensor_parallel(shape, spec.tensor_parallel)  # before a budget is measured
+    check_quantize_flags(args)
     settings = allocator_settings(args.allocator_conf)
-    budget, source = predict_budget(args, spec.tensor_parallel)
+    # the rate card's budget, and whether a GPU can be measured, before the config is read
+    card_budget = gpu_budget(args.gpu, tensor_parallel=args.tensor_parallel) if args.gpu else None
+    if args.device is not None:
+        refuse_without_gpu(f"--device {args.device} measures that GPU's usable memory",
+                           "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+    raw_config = checked_config(args)
+    spec = RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch, context=args.context,
+                   new_tokens=args.new_tokens, decode_record_every=args.decode_record_every,
+                   tensor_parallel=args.tensor_parallel)
+    note = check_positions(raw_config.max_positions, args)
+    shape = model_shape(raw_config, trace_cache_of(args), args.quantize)
+    check_tensor_parallel(shape, spec.tensor_parallel)  # before a budget is measured
+    budget, source = card_budget or predict_budget(args, spec.tensor_parallel)
     # predict_model checks that the plan splits the model this many ways, before torch is imported
     result = predict_model(shape, spec, allocator=settings, capacity_bytes=budget, budget_source=source,
                            report_out_of_memory=True, trace_cache=trace_cache_of(args))
@@ -244,21 +231,26 @@ def handle_predict(args) -> int:
 
 
 def predict_budget(args, degree: int) -> tuple:
-    """(bytes, source) of predict's budget flags, (None, None) without one."""
-    if args.gpu:
-        return gpu_budget(args.gpu, tensor_parallel=degree)
+    """(bytes, source) of predict's --memory-bytes or --device, (None, None) without one."""
     if args.memory_bytes:
         return args.memory_bytes, "given with --memory-bytes"
     if args.device is not None:
-        budget = usable_memory_bytes(args.device)
-        source = f"{MEASURED}: usable memory of {args.device}, measured now in a fresh child process"
-        if degree > 1:  # as fit does: the device's model is not known here, so NCCL's figure is a derived one
-            nccl = nccl_outside(None, degree)
-            budget -= nccl["nccl_outside_allocator_bytes"]
-            source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
-                       f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
-        return budget, source
+        return measured_budget(args.device, degree)
     return None, None
+
+
+def measured_budget(device: str, degree: int) -> tuple:
+    """(bytes, source) of one rank's budget on `device`: its usable memory measured now, less at degree
+    > 1 what NCCL holds outside the allocator (the device's model is not known here, so NCCL's figure
+    is a derived one)."""
+    budget = usable_memory_bytes(device)
+    source = f"{MEASURED}: usable memory of {device}, measured now in a fresh child process"
+    if degree > 1:
+        nccl = nccl_outside(None, degree)
+        budget -= nccl["nccl_outside_allocator_bytes"]
+        source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
+                   f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
+    return budget, source
 
 
 def handle_compare(args) -> int:
@@ -284,30 +276,36 @@ def handle_fit(args) -> int:
     if args.card and settings.expandable_segments:
         raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
                        "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
-    shape = quantized(load_config(args.config, trace_cache_of(args)), args)
+    check_quantize_flags(args)
+    degree = args.tensor_parallel
+    # the rate card (or the one GPU model asked of it), and whether a GPU can be measured, before the
+    # config is read
+    card = read_card(args.tariffs) if args.card else None
+    entry = gpu_budget_entry(args.gpu, tensor_parallel=degree) if args.gpu else None
+    if not args.card and args.gpu is None and args.memory_bytes is None:
+        refuse_without_gpu(f"with neither --gpu nor --memory-bytes, fit measures the usable memory of "
+                           f"{args.device or 'cuda:0'}", "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+    raw_config = checked_config(args)
+    # the sizes given, checked as the search's runs are (MAX_TOKENS), and the positions they reach
+    RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch or 1, context=args.context or 1,
+            new_tokens=args.new_tokens, tensor_parallel=degree)
+    check_fit_positions(raw_config.max_positions, args)
+    shape = model_shape(raw_config, trace_cache_of(args), args.quantize)
     if args.card:
         spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context,
                        new_tokens=args.new_tokens, decode_record_every=args.new_tokens)
-        result = card_fit(shape, spec, args.days, args.accepted_results, args.tariffs, trace_cache_of(args))
+        rows, shown = card
+        result = cheapest_forfaits(shape, spec, args.days, rows, args.accepted_results, card_name=shown,
+                                   trace_cache=trace_cache_of(args))
     else:
-        degree = args.tensor_parallel
         check_tensor_parallel(shape, degree)
-        if args.gpu:
-            entry = gpu_budget_entry(args.gpu, tensor_parallel=degree)
-            budget, source, label = (entry["rank_budget_bytes"], budget_source_text(entry, degree),
-                                     entry["memory_source"])
+        if entry is not None:
+            budget, source, label = entry["rank_budget_bytes"], budget_source_text(entry, degree), entry["memory_source"]
         elif args.memory_bytes:
             budget, source, label = args.memory_bytes, "given with --memory-bytes", "given"
         else:
-            device = args.device or "cuda:0"
-            budget = usable_memory_bytes(device)
-            source, label = f"{MEASURED}: usable memory of {device}, measured now in a fresh child process", MEASURED
-            if degree > 1:
-                # the device's model is not known here: the only NCCL figure that applies is a derived one
-                nccl = nccl_outside(None, degree)
-                budget -= nccl["nccl_outside_allocator_bytes"]
-                source += (f"; less {nccl['nccl_outside_allocator_bytes']} bytes NCCL holds outside the allocator "
-                           f"per rank at tensor parallel {degree}, {nccl['nccl_basis']}")
+            budget, source = measured_budget(args.device or "cuda:0", degree)
+            label = MEASURED
         result = with_memory_source(fit_model(shape, args.dtype, args.new_tokens, budget, source, args.batch,
                                               args.context, tensor_parallel=degree, allocator=settings,
                                               trace_cache=trace_cache_of(args)), label)
@@ -315,23 +313,41 @@ def handle_fit(args) -> int:
     return EXIT_OK
 
 
+def check_fit_positions(max_positions, args) -> None:
+    """fit's --context must leave room for --new-tokens within the model's positions (the search's
+    own bound), refused before the config is read through transformers."""
+    if args.context is None or not max_positions:
+        return
+    if args.context > max(max_positions - args.new_tokens, 1):
+        raise LabError(f"--context {args.context} is beyond the model's {max_positions} positions "
+                       f"minus {args.new_tokens} new tokens")
+
+
 def measure_command_result(args) -> "dict | None":
     """Measure as the flags say and write the file; the result to print, or None on a tensor-parallel
     rank other than 0 (rank 0 reports for every rank)."""
     settings = allocator_settings(args.allocator_conf)  # the environment's is refused here if not modelled
-    shape = quantized(load_config(args.config), args)
+    check_quantize_flags(args)
     degree = args.tensor_parallel
-    check_tensor_parallel(shape, degree)
     if degree > 1:
         if args.device is not None:
             raise LabError("--device is set by the launcher at --tensor-parallel > 1: rank R uses cuda:LOCAL_RANK")
         if args.timeline is not None:
             raise LabError("--timeline records one GPU's allocator: not available at --tensor-parallel > 1")
-    spec = RunSpec(shape.name, dtype=args.dtype, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
-                   decode_record_every=args.decode_record_every, tensor_parallel=degree,
-                   device=args.device or "cuda:0", seed=args.seed)
-    note = check_positions(shape, args)
     output = Path(args.output)
+    history = None
+    if degree == 1:
+        check_new_output(output)  # before the model is built, not after minutes of work
+        history = timeline_recorder(args, {"--output": args.output})
+    raw_config = checked_config(args)
+    spec = RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch, context=args.context,
+                   new_tokens=args.new_tokens, decode_record_every=args.decode_record_every, tensor_parallel=degree,
+                   device=args.device or "cuda:0", seed=args.seed)
+    note = check_positions(raw_config.max_positions, args)
+    refuse_without_gpu("measure runs on a CUDA or ROCm GPU, never on the CPU",
+                       "`real_model predict` with the same run's flags predicts it with no GPU")
+    shape = model_shape(raw_config, quantization=args.quantize)
+    check_tensor_parallel(shape, degree)
     if args.allocator_conf is not None:
         put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     if degree > 1:
@@ -341,8 +357,6 @@ def measure_command_result(args) -> "dict | None":
             return None
         return {"output": str(output), "ranks": len(document["ranks"]),
                 "phases": len(document["ranks"][0]["phases"])}
-    check_new_output(output)  # before the model is built, not after minutes of work
-    history = timeline_recorder(args, {"--output": args.output})
     document = measure_model(shape, spec, history)
     write_new_json(output, document)
     result = {"output": str(output), "phases": len(document["phases"])}

@@ -9,7 +9,7 @@ from lab_helpers.core.numbers import whole_number
 from lab_helpers.core.tables import format_bytes, phase_label, text_table
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
-from lab_helpers.real.config import load_config
+from lab_helpers.real.early_commands import checked_config, check_packages, model_shape, refuse_without_gpu
 from lab_helpers.real.fit import gpu_budget, usable_memory_bytes
 from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
                                     compare_training_model, measure_training_model, predict_training_model)
@@ -74,11 +74,11 @@ def train_spec_from_args(args, config_name: str, device="cuda:0", seed=0, sizes=
                      quantize=args.quantize, autocast=args.autocast)
 
 
-def check_train_positions(shape, args) -> None:
+def check_train_positions(max_positions, args) -> None:
     """A training sequence longer than the model's positions is refused unless --beyond-positions."""
-    if (shape.max_positions and args.context is not None and args.context > shape.max_positions
+    if (max_positions and args.context is not None and args.context > max_positions
             and not getattr(args, "beyond_positions", False)):
-        raise LabError(f"--context {args.context} is beyond the model's {shape.max_positions} positions (config key "
+        raise LabError(f"--context {args.context} is beyond the model's {max_positions} positions (config key "
                        "'max_position_embeddings'); give --beyond-positions to run it anyway")
 
 
@@ -88,8 +88,10 @@ def _print(args, result, table) -> None:
 
 def predict_train_model_command(args) -> int:
     train_spec_from_args(args, "unread")  # every flag checked before the config is read
-    shape = load_config(args.config)
-    check_train_positions(shape, args)
+    check_packages(args)
+    raw_config = checked_config(args)
+    check_train_positions(raw_config.max_positions, args)
+    shape = model_shape(raw_config)
     spec = train_spec_from_args(args, shape.name)
     check_lora_targets(shape, spec)
     _print(args, predict_training_model(shape, spec), train_prediction_table)
@@ -101,10 +103,14 @@ def measure_train_model_command(args) -> int:
     train_spec_from_args(args, "unread", device, args.seed)
     if args.timeline is not None:
         raise LabError("--timeline records inference runs only; leave it out with --task train")
+    check_packages(args)
     output = Path(args.output)
     check_new_output(output)
-    shape = load_config(args.config)
-    check_train_positions(shape, args)
+    raw_config = checked_config(args)
+    check_train_positions(raw_config.max_positions, args)
+    refuse_without_gpu("measure runs on a CUDA or ROCm GPU, never on the CPU",
+                       "`real_model predict` with the same run's flags predicts it with no GPU")
+    shape = model_shape(raw_config)
     spec = train_spec_from_args(args, shape.name, device, args.seed)
     check_lora_targets(shape, spec)
     try:
@@ -127,15 +133,21 @@ def fit_train_command(args) -> int:
     # the search sets the sizes; a given --batch or --context is checked here first
     sizes = (args.batch or 1, args.context or 2)
     train_spec_from_args(args, "unread", sizes=sizes)
-    shape = load_config(args.config)
+    check_packages(args)
+    # the rate card's budget, and whether a GPU can be measured, before the config is read
+    card_budget = gpu_budget(args.gpu) if args.gpu else None
+    device = args.device or "cuda:0"
+    if card_budget is None and not args.memory_bytes:
+        refuse_without_gpu(f"with neither --gpu nor --memory-bytes, fit measures the usable memory of {device}",
+                           "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+    shape = model_shape(checked_config(args))
     spec = train_spec_from_args(args, shape.name, sizes=sizes)
     check_lora_targets(shape, spec)
-    if args.gpu:
-        budget, source = gpu_budget(args.gpu)
+    if card_budget is not None:
+        budget, source = card_budget
     elif args.memory_bytes:
         budget, source = args.memory_bytes, "given with --memory-bytes"
     else:
-        device = args.device or "cuda:0"
         budget = usable_memory_bytes(device)
         source = f"usable memory of {device}, measured now in a fresh child process"
     _print(args, fit_training(shape, spec, budget, source, args.batch, args.context), train_fit_table)
@@ -144,13 +156,17 @@ def fit_train_command(args) -> int:
 
 def train_card_command(args) -> int:
     """fit --card --task train: every GPU model of the rate card, one GPU each, priced."""
-    from lab_helpers.real.train_card import check_train_card_flags, format_train_card, train_card_fit
+    from lab_helpers.real.card_fit import read_card
+    from lab_helpers.real.train_card import check_train_card_flags, cheapest_training_forfaits, format_train_card
     check_train_card_flags(args)
     train_spec_from_args(args, "unread")  # every flag checked before the config is read
-    shape = load_config(args.config)
+    check_packages(args)
+    rows, shown = read_card(args.tariffs)  # before the config is read
+    shape = model_shape(checked_config(args))
     spec = train_spec_from_args(args, shape.name)
     check_lora_targets(shape, spec)
-    _print(args, train_card_fit(shape, spec, args.days, args.accepted_results, args.tariffs), format_train_card)
+    _print(args, cheapest_training_forfaits(shape, spec, args.days, rows, args.accepted_results, card_name=shown),
+           format_train_card)
     return EXIT_OK
 
 
