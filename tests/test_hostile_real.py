@@ -121,6 +121,17 @@ CASES = {
     "tie-string": predict(with_keys(tie_word_embeddings="yes"), "'tie_word_embeddings'"),
     "positions-string": predict(with_keys(max_position_embeddings="4096"), "'max_position_embeddings'"),
     "fit-bad-field": fit(with_keys(rms_norm_eps="small"), "'rms_norm_eps'"),
+    "heads-zero": predict(with_keys(num_attention_heads=0), "'num_attention_heads' must be from 1 to 1024, got 0"),
+    "hidden-1e6": predict(with_keys(hidden_size=1000000), "'hidden_size' must be from 1 to 65536, got 1000000"),
+    "text-config-heads-zero": predict(with_keys(text_config={"model_type": "llama", "num_attention_heads": 0}),
+                                      "'text_config.num_attention_heads'"),
+    "encoder-bert": predict(with_keys(model_type="bert", architectures=["BertForMaskedLM"]),
+                            "'bert' is an encoder family, not a decoder-only causal language model"),
+    "encoder-decoder-t5": predict(with_keys(model_type="t5"), "'t5' is an encoder-decoder family"),
+    "architectures-no-causal-lm": predict(with_keys(architectures=["LlamaForSequenceClassification"]),
+                                          "'architectures' names LlamaForSequenceClassification"),
+    "hugging-face-id": ("predict", "meta-llama/Llama-3.1-8B", RUN, "did you mean llama-3.1-8b? for a Hugging Face "
+                        "model, download its config.json and pass its path (or the folder holding it)"),
     # ---- 3. rope types whose frequencies depend on the positions' values
     "rope-dynamic": predict(with_keys(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic' is not covered"),
     "rope-dynamic-old-key": predict(with_keys(rope_scaling={"type": "dynamic", "factor": 2.0}), "'dynamic'"),
@@ -386,3 +397,34 @@ def test_the_card_search_stops_at_its_bound_and_says_so(tmp_path):
     assert len(calls) == result["predictions_run"] < 8
     assert "bound was reached" in result["search_bound"]
     assert any(r["reason"].startswith("not searched") for r in result["rows"])
+
+
+# every whole-number key the supported families read, at each value outside the lab's bounds
+# (null only where no family takes it for its default); refused on the raw JSON, before torch
+SIZE_VALUES = {"0": 0, "-1": -1, "1.5": 1.5, "string": "8", "null": None, "2**63": 2**63}
+
+
+def size_cases():
+    from lab_helpers.real.raw_config import NULLABLE_SIZE_KEYS, SIZE_KEYS
+    return [(key, value) for key in sorted(SIZE_KEYS) for value in SIZE_VALUES
+            if not (value == "null" and key in NULLABLE_SIZE_KEYS)]
+
+
+@pytest.mark.parametrize("key, value", size_cases())
+def test_a_size_key_out_of_bounds_ends_in_one_line_naming_it(tmp_path, key, value):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, key: SIZE_VALUES[value]}))
+    proc = run_program(["predict", "--config", str(path), *RUN], cwd, in_process=True)
+    assert_one_line_refusal(proc, cwd, f"config key {key!r} must be ", [str(path)])
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", "0"), ("n_head", "string"), ("vocab_size", "2**63")])
+def test_a_size_key_out_of_bounds_ends_a_fresh_program_in_one_line(tmp_path, key, value):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, key: SIZE_VALUES[value]}))
+    proc = run_program(["predict", "--config", str(path), *RUN], cwd)
+    assert_one_line_refusal(proc, cwd, f"config key {key!r} must be ", [str(path)])

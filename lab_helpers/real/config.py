@@ -1,8 +1,8 @@
 """Architecture facts of a decoder-only transformers model, from a Hugging Face config.json.
 
-The file is read and its JSON checked here with the standard library (depth, size, finite
-numbers); its keys are then read through transformers' own config class (AutoConfig), whatever
-the family, and the lab keeps only what its figures need. A config names its file or a bundled
+The file is read and checked first without torch or transformers (lab_helpers.real.raw_config:
+precheck_config); its keys are then read through transformers' own config class (AutoConfig),
+whatever the family, and the lab keeps only what its figures need (shape_of). A config names its file or a bundled
 one under data/models/ (architecture facts only, never weights).
 """
 import dataclasses
