@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.paths import REPOSITORY
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,6 @@ PACKAGES = {package.name: package for package in (
     Package("matplotlib", ">=3.7"),
     Package("nbformat", ">=5.9"),
 )}
-
-# the top of the repository this file is in (lab_helpers/core/packages.py)
-REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def installed(name: str) -> bool:
