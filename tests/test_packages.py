@@ -67,23 +67,26 @@ def test_the_python_is_relative_only_at_the_top_in_the_repositorys_venv(monkeypa
 
 
 def test_the_real_message_in_a_python_that_cannot_import_peft(tmp_path):
-    """A child whose meta path refuses peft: the message of the command, run from the repository's top
-    with this Python, names this very Python; the command it names is runnable as printed."""
+    """A child whose meta path refuses peft and bitsandbytes: the lab's messages, run from the
+    repository's top with this Python, name this very Python; the command is runnable as printed."""
     code = ("import sys\n"
             "class Refuse:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'peft': raise ModuleNotFoundError(name=name)\n"
+            "        if name.split('.')[0] in ('peft', 'bitsandbytes'): raise ModuleNotFoundError(name=name)\n"
             "sys.meta_path.insert(0, Refuse())\n"
-            "from lab_helpers.core import packages\n"
             "from lab_helpers.real.train import import_peft\n"
-            "try:\n"
-            "    import_peft()\n"
-            "except Exception as exc:\n"
-            "    print(type(exc).__name__, exc)\n")
+            "from lab_helpers.real.quantized import _import_bitsandbytes\n"
+            "for lookup in (import_peft, _import_bitsandbytes):\n"
+            "    try:\n"
+            "        lookup()\n"
+            "    except Exception as exc:\n"
+            "        print(type(exc).__name__, exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.strip()
+    line, quantize = proc.stdout.strip().splitlines()
     assert line.startswith("LabError --train lora needs peft 0.21.2, not installed in this Python: "), line
+    assert quantize == line.replace("--train lora", "--quantize").replace("peft", "bitsandbytes").replace(
+        "0.21.2", "0.50.2")
     command = line.split(": ", 1)[1]
     assert command.endswith(" -m pip install 'peft==0.21.2'")
     python = command.split(" -m pip")[0]

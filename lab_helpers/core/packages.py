@@ -49,7 +49,6 @@ PACKAGES = {package.name: package for package in (
 )}
 
 
-
 def package_installed(name: str) -> bool:
     """Whether this Python can find the top-level module `name`, without importing it."""
     try:
