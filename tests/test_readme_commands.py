@@ -30,7 +30,8 @@ NOT_RUN = {"make lab", "make test"}
 # GPU is visible). `environment --device cuda:0` is not here: it reports the missing device and exits 0.
 GPU_ONLY = [
     (r"lab_helpers\.real_model measure ",
-     "real_model: error: no CUDA device is available to torch; measure never falls back to the CPU"),
+     "real_model: error: measure runs on a CUDA or ROCm GPU, never on the CPU, and this machine has no CUDA or ROCm "
+     "device (no /dev/nvidia* and no /dev/kfd); `real_model predict` with the same run's flags predicts it with no GPU"),
     (r"lab_helpers\.real_model compare mesures-llama\.json",
      "real_model: error: cannot read mesures-llama.json: no such file"),
     (r"iteragpu-memory measure ",
@@ -241,7 +242,7 @@ def test_the_test_tools_are_absent_in_the_lab_environment(lab):
             "        assert exc.name == name\n"
             "    else:\n"
             "        raise AssertionError(name)\n"
-            "import lab_helpers.core.packages as p; print(p.installed('peft'), p.installed('transformers'))\n")
+            "import lab_helpers.core.packages as p; print(p.package_installed('peft'), p.package_installed('transformers'))\n")
     proc = subprocess.run([sys.executable, "-c", code, *blocked], cwd=top, env=environment,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -43,7 +43,7 @@ def code_digest() -> str:
     another process."""
     digest = hashlib.sha256()
     try:
-        for name in ("tracer.py", "protocol.py", "config.py", "spec.py", "replay.py", "traces.py", "layers.py"):
+        for name in ("tracer.py", "protocol.py", "config.py", "raw_config.py", "spec.py", "replay.py", "traces.py", "layers.py"):
             digest.update((REPOSITORY / "lab_helpers" / "real" / name).read_bytes())
     except OSError:
         digest.update(os.urandom(32))
