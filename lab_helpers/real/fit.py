@@ -77,7 +77,9 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
         raise LabError(str(exc)) from None
     found = [row for row in rows if row["model_id"] == gpu]
     if not found:
-        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+        # a GPU the card lacks is still answered: by its budget in bytes, or by a card that has it
+        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}; "
+                       "or give the budget with --memory-bytes N, or a rate card that has it with fit --card --tariffs PATH")
     return rank_budget(gpu, found[0]["memory_per_gpu_gib"], tensor_parallel)
 
 
