@@ -2732,6 +2732,11 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
 
 
 # ---- from lab_helpers/core/tables.py: Plain-text tables for people: sizes in MiB with the bytes beside them.
+# One screen's width: a table wider than this is split into tables of fewer columns, a longer line of
+# text is wrapped (a terminal would otherwise fold them where the words do not break)
+LINE_WIDTH = 120
+
+
 def format_bytes(count: int) -> str:
     """'33.16 MiB (34772480 B)': MiB under 1 GiB, GiB from there, with the exact bytes."""
     if count >= GIB:
@@ -2759,15 +2764,51 @@ def ranks_label(numbers: list) -> str:
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
 
 
-def text_table(header, rows) -> str:
-    """Columns aligned with two spaces: the first to the left, the others to the right."""
+def text_table(header, rows, width=None, keep: int = 1, left: bool = False) -> str:
+    """Columns aligned with two spaces: the first to the left, the others to the right (all to the left
+    with `left`). With `width`, a table wider than it is split into tables of fewer columns, one under the
+    other after an empty line, each starting with the first `keep` columns (what names a row)."""
     cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = []
-    for row in cells:
-        parts = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
+    groups = [list(range(len(header)))] if width is None else _column_groups(widths, width, keep)
+    tables = []
+    for columns in groups:
+        lines = []
+        for row in cells:
+            parts = [row[i].ljust(widths[i]) if left or i == 0 else row[i].rjust(widths[i]) for i in columns]
+            lines.append("  ".join(parts).rstrip())
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+def _column_groups(widths: list, width: int, keep: int) -> list:
+    """The columns of each table text_table splits into: the first `keep`, then as many more in their
+    order as stay within `width` (at least one more per table, however wide)."""
+    keep = min(keep, len(widths))
+    start = sum(widths[:keep]) + 2 * (keep - 1)
+    groups, current, used = [], list(range(keep)), start
+    for i in range(keep, len(widths)):
+        if len(current) > keep and used + 2 + widths[i] > width:
+            groups.append(current)
+            current, used = list(range(keep)), start
+        current.append(i)
+        used += 2 + widths[i]
+    groups.append(current)
+    return groups
+
+
+def wrapped(text: str, width: int = LINE_WIDTH, indent: str = "  ") -> str:
+    """`text`'s lines folded at `width` where their words break (a word longer than a line is cut), each
+    line after the first of a fold indented by `indent`: prose under a table, on one screen."""
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = line[:len(line) - len(line.lstrip(" "))]  # a line's own indent is kept, the fold's added
+        out.append(textwrap.fill(line, width, initial_indent="", subsequent_indent=lead + indent,
+                                 break_on_hyphens=False, drop_whitespace=True))
+    return "\n".join(out)
 
 
 # ---- from lab_helpers/measurement/environment.py: The environment report: Python, torch, its CUDA/HIP build, every visible GPU and the memory a fresh process can use.
