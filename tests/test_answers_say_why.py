@@ -112,3 +112,18 @@ def test_bitsandbytes_leaves_the_3d_experts_in_the_compute_dtype(tmp_path):
                              {"module_class": "MixtralTopKRouter", "tensor_dims": 2, "tensors": 2, "bytes": 1024},
                              {"module_class": "MixtralRMSNorm", "tensor_dims": 1, "tensors": 5, "bytes": 640}]}
     assert kept["kept_bytes"] == 650880
+
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096}
+
+
+def test_training_tables_fit_120_columns(capsys, tmp_path):
+    import json
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    for argv in (["predict", "--task", "train", "--config", config, "--batch", 2, "--context", 16],
+                 ["fit", "--task", "train", "--config", config, "--batch", 2, "--context", 16,
+                  "--memory-bytes", 2**30]):
+        lines = table_of(capsys, *argv)
+        assert max(map(len, lines)) <= 120, [line for line in lines if len(line) > 120]

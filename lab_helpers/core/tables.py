@@ -35,13 +35,21 @@ def ranks_label(numbers: list) -> str:
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]} to {numbers[-1]} (each)"
 
 
-def text_table(header, rows, width=None, keep: int = 1, left: bool = False) -> str:
+def text_table(header, rows, width=None, keep: int = 1, left: bool = False, bands=None) -> str:
     """Columns aligned with two spaces: the first to the left, the others to the right (all to the left
     with `left`). With `width`, a table wider than it is split into tables of fewer columns, one under the
-    other after an empty line, each starting with the first `keep` columns (what names a row)."""
+    other after an empty line, each starting with the first `keep` columns (what names a row); `bands`,
+    lists of the other columns' indices, keeps columns read together (a figure and its difference) in
+    one table where the whole is too wide."""
     cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    groups = [list(range(len(header)))] if width is None else _column_groups(widths, width, keep)
+    whole = sum(widths) + 2 * (len(widths) - 1)
+    if width is None or whole <= width:
+        groups = [list(range(len(header)))]
+    elif bands:
+        groups = [group for band in bands for group in _column_groups(widths, width, keep, band)]
+    else:
+        groups = _column_groups(widths, width, keep)
     tables = []
     for columns in groups:
         lines = []
@@ -52,13 +60,13 @@ def text_table(header, rows, width=None, keep: int = 1, left: bool = False) -> s
     return "\n\n".join(tables)
 
 
-def _column_groups(widths: list, width: int, keep: int) -> list:
-    """The columns of each table text_table splits into: the first `keep`, then as many more in their
-    order as stay within `width` (at least one more per table, however wide)."""
+def _column_groups(widths: list, width: int, keep: int, columns=None) -> list:
+    """The columns of each table text_table splits into: the first `keep`, then as many more of `columns`
+    (default: all the others) in their order as stay within `width` (at least one more per table)."""
     keep = min(keep, len(widths))
     start = sum(widths[:keep]) + 2 * (keep - 1)
     groups, current, used = [], list(range(keep)), start
-    for i in range(keep, len(widths)):
+    for i in (range(keep, len(widths)) if columns is None else columns):
         if len(current) > keep and used + 2 + widths[i] > width:
             groups.append(current)
             current, used = list(range(keep)), start

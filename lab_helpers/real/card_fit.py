@@ -299,8 +299,11 @@ def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
     if result["accepted_results"] is not None:
         columns.insert(6, "unit_cost")
     rows = people_rows(result)
+    memory = columns.index("budget")
+    bands = (list(range(2, memory)), list(range(memory, len(columns))))  # the prices, then the memory
     lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
-             text_table(columns, [[r[k] for k in columns] for r in rows], width=LINE_WIDTH, keep=2, left=True)]
+             text_table(columns, [[r[k] for k in columns] for r in rows], width=LINE_WIDTH, keep=2, left=True,
+                        bands=bands)]
     lines += ["", *before, f"Order: {result['order']}.",
               f"Memory per GPU (budget): {MEASURED} = {result['memory_rule'][MEASURED]}; "
               f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]

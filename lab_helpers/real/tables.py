@@ -77,6 +77,10 @@ def _other_differences(row: dict) -> str:
     return ", ".join(off) or "exact"
 
 
+# where the comparison is too wide for one table: allocated, reserved, then the other counters
+COMPARISON_BANDS = ((1, 2, 3), (4, 5, 6), (7,))
+
+
 def model_comparison_table(result: dict) -> str:
     """compare_model's result for people: measured beside predicted peaks per phase (and rank), their
     differences (measured - predicted) in bytes, and every other counter's difference."""
@@ -93,7 +97,7 @@ def model_comparison_table(result: dict) -> str:
         f"; replayed under {result['allocator_conf']}")
     return wrapped(f"{result['config_name']}: measured beside predicted; allocated exact: "
                    f"{'yes' if result['allocated_exact'] else 'no'}{allocator}\n"
-                   + text_table(header, rows, width=LINE_WIDTH)
+                   + text_table(header, rows, width=LINE_WIDTH, bands=COMPARISON_BANDS)
                    + f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
                    + out_of_memory_lines(budget.get("predicted_out_of_memory")))
 

@@ -210,7 +210,8 @@ def train_comparison_table(result: dict) -> str:
              format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
              format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
              f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]
-    return "\n".join([text_table(header, rows, width=LINE_WIDTH),
+    # where too wide for one table: allocated (measured, predicted, difference), then reserved
+    return "\n".join([text_table(header, rows, width=LINE_WIDTH, bands=((1, 2, 3), (4, 5, 6))),
                       f"allocated exact (baseline, end and peak): {'yes' if result['allocated_exact'] else 'no'}",
                       f"worst peak difference: allocated {result['peak_allocated_worst_relative']:.4%}, reserved "
                       f"{result['peak_reserved_worst_relative']:.4%}"])
