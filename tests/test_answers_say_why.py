@@ -127,3 +127,19 @@ def test_training_tables_fit_120_columns(capsys, tmp_path):
                   "--memory-bytes", 2**30]):
         lines = table_of(capsys, *argv)
         assert max(map(len, lines)) <= 120, [line for line in lines if len(line) > 120]
+
+
+def test_fit_task_train_names_its_bounds(capsys, tmp_path):
+    import json
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    code, out, _ = run_main(capsys, "fit", "--task", "train", "--config", config, "--batch", 2, "--context", 16,
+                            "--memory-bytes", 2**30)
+    result = json.loads(out)
+    assert (result["largest_context_at_batch"], result["largest_context_bound"]) == (2442, "memory")
+    # the batch search reaches its 24 predictions first: a lower bound, said so
+    assert (result["largest_batch_at_context"], result["largest_batch_bound"]) == (2528, "search bound")
+    lines = table_of(capsys, "fit", "--task", "train", "--config", config, "--batch", 2, "--context", 16,
+                     "--memory-bytes", 2**30)
+    assert "largest context at batch 2: 2442 (bound: memory)" in lines
+    assert "largest batch at context 16: 2528 (bound: search bound)" in lines

@@ -166,9 +166,11 @@ def train_fit_table(result: dict) -> str:
                         f"{format_bytes(result['headroom_bytes'])}"
                         if result["fits"] else "does NOT fit"))
     if "largest_context_at_batch" in result:
-        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']}")
+        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']} "
+                     f"(bound: {result['largest_context_bound']})")
     if "largest_batch_at_context" in result:
-        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']}")
+        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']} "
+                     f"(bound: {result['largest_batch_bound']})")
     if "bounded" in result:
         lines.append(f"note: {result['bounded']}")
     lines.append(f"criterion: {result['criterion']}")
