@@ -19,7 +19,7 @@ SUBPROCESS_EVERY = 10
 NOT_WHOLE = "(a whole number, digits 0-9 only)"
 BAD_BYTES = {
     "fraction": ("1.5", NOT_WHOLE),
-    "negative": ("-1", NOT_WHOLE),
+    "negative": ("-1", "must be > 0, got -1"),
     "zero": ("0", "must be > 0, got 0"),
     "above-2-50": (str(2**50 + 1), f"must be at most {2**50}, got {2**50 + 1}"),
     "far-above": ("9" * 40, "must be at most"),

@@ -224,7 +224,7 @@ def test_special_files_are_refused_without_blocking(tmp_path):
 # ---------------------------------------------------------------- --memory-bytes and --budget-gib
 BAD_MEMORY_BYTES = [
     ("decimal", "1.5", "not an integer"), ("exponent", "1e9", "not an integer"), ("zero", "0", "must be > 0"),
-    ("negative", "-1", "not an integer"), ("above-2-50", str(2**50 + 1), f"must be at most {2**50}"),
+    ("negative", "-1", "must be > 0, got -1"), ("above-2-50", str(2**50 + 1), f"must be at most {2**50}"),
     ("far-above", "9" * 60, "must be at most"), ("4300-digits", "9" * 4300, "at most 1000 digits"),
     ("empty", "", "not an integer"), ("space", " 1", "not an integer"), ("underscore", "1_000", "not an integer"),
     ("hex", "0x10", "not an integer"), ("arabic-indic", "\u0661\u0662", "not an integer"),

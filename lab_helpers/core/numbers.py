@@ -27,6 +27,9 @@ MAX_DIGITS = 1000  # checked before int(): Python refuses over 4300 digits, and 
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() and \d accept other scripts' digits
 
 
+_NEGATIVE = re.compile(r"-[0-9]+")
+
+
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
@@ -37,17 +40,28 @@ def _whole_problem(text, minimum, maximum):
     if isinstance(text, str):
         if len(text) > MAX_DIGITS:
             return None, f"has {len(text)} characters; at most {MAX_DIGITS} digits are accepted"
+        if _NEGATIVE.fullmatch(text) and text.strip("-0"):  # "-0" is no number below 0: a sign, refused below
+            # a minus sign before digits is a number out of range, not a typing error: said as the bound
+            return None, _below_minimum(minimum, text)
         if not _DIGITS.fullmatch(text):
             return None, f"not an integer: {text[:40]!r} (a whole number, digits 0-9 only)"
         value = int(text)
     else:
         value = text
     if minimum is not None and value < minimum:
-        return None, f"must be > 0, got {value}" if minimum == 1 else f"must be >= {minimum}, got {value}"
+        return None, _below_minimum(minimum, str(value))
     if maximum is not None and value > maximum:
         shown = str(value) if value < 10**40 else f"a {len(str(value))}-digit number"
         return None, f"must be at most {maximum}, got {shown}"
     return value, None
+
+
+def _below_minimum(minimum, shown: str) -> str:
+    """What is wrong with a whole number below `minimum` (None: 0, no sign is accepted), written `shown`."""
+    shown = shown if len(shown) <= 41 else f"a {len(shown) - 1}-digit negative number"
+    if minimum is None or minimum == 0:
+        return f"must be >= 0, got {shown}"
+    return f"must be > 0, got {shown}" if minimum == 1 else f"must be >= {minimum}, got {shown}"
 
 
 def parse_whole(text, name: str, minimum=None, maximum=None) -> int:

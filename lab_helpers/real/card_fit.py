@@ -13,7 +13,7 @@ sorted by price; the GPU models that fit at no allowed degree come last.
 import math
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.tables import format_bytes
+from lab_helpers.core.tables import LINE_WIDTH, format_bytes, text_table, wrapped
 from lab_helpers.core.text import printable
 from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE, RATE_CARD_PATH,
                                       ForfaitError, is_illustrative, load_card)
@@ -287,29 +287,32 @@ def format_card_fit(result: dict) -> str:
                 f"{c['new_tokens']} new tokens",
         [f"Degrees: {result['degree_rule']}; allowed for this model: "
          f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
-         *(f"  refused: {why}" for why in result["refused_degrees"].values())],
+         # a degree the plan cannot split the model by is a fact of the model, not an error
+         *(f"  not possible: {why}" for why in result["refused_degrees"].values())],
         [f"NCCL: {result['nccl_rule']}; peak_reserved is the worst rank's."])
 
 
 def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
     """An answer's rows as aligned lines under a title naming the `run`, then the lines `before`, the
-    order and memory rule, the lines `after`, the unit cost's rounding if asked and the notice."""
+    order and memory rule, the lines `after`, the unit cost's rounding if asked and the notice: within
+    LINE_WIDTH, the columns split into a table of prices and one of memory (each led by rank and gpu)
+    where one table would be wider, the text wrapped."""
     columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget", "memory", "peak_reserved"]
     if result["accepted_results"] is not None:
         columns.insert(6, "unit_cost")
     rows = people_rows(result)
-    text = [[str(r[k]) for k in columns] for r in rows]
-    widths = [max(len(k), *(len(t[i]) for t in text)) for i, k in enumerate(columns)]
+    memory = columns.index("budget")
+    bands = (list(range(2, memory)), list(range(memory, len(columns))))  # the prices, then the memory
     lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
-             "  ".join(k.ljust(w) for k, w in zip(columns, widths)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in text]
+             text_table(columns, [[r[k] for k in columns] for r in rows], width=LINE_WIDTH, keep=2, left=True,
+                        bands=bands)]
     lines += ["", *before, f"Order: {result['order']}.",
               f"Memory per GPU (budget): {MEASURED} = {result['memory_rule'][MEASURED]}; "
               f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]
     if result["accepted_results"] is not None:
         lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")
     lines.append(f"Notice: {result['notice']}")
-    return "\n".join(lines)
+    return wrapped("\n".join(lines))
 
 
 def check_card_flags(args) -> None:

@@ -77,7 +77,10 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
         raise LabError(str(exc)) from None
     found = [row for row in rows if row["model_id"] == gpu]
     if not found:
-        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {', '.join(sorted({r['model_id'] for r in rows}))}")
+        # a GPU the card lacks is still answered: by its budget in bytes, or by a card that has it
+        choices = ", ".join(sorted({r["model_id"] for r in rows}))
+        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {choices}; "
+                       "or give the budget with --memory-bytes N, or a rate card that has it with fit --card --tariffs PATH")
     return rank_budget(gpu, found[0]["memory_per_gpu_gib"], tensor_parallel)
 
 
@@ -147,6 +150,47 @@ def rank_zero_replay(shape: ModelShape, spec: RunSpec, capacity_bytes: int, trac
     except ModelNeeded:  # a trace is missing: rank 0's model is built in its process group
         with fake_process_group(0, spec.tensor_parallel) as mesh:
             return session.replay(spec, capacity_bytes, (), mesh)["overall"]
+
+
+# What set a largest-size answer (fit's "largest_context_bound", "largest_batch_bound"): the budget, the
+# model's positions, the weights alone, the search's number of predictions, or the lab's size limits
+# (MAX_TOKENS, MAX_MODEL_BATCH, MAX_MODEL_CONTEXT): a figure at the model's positions is not memory's.
+ANSWER_BOUNDS = ("memory", "positions", "weights", "search bound", "size limit")
+
+
+def answer_bound(shape: ModelShape, key: str, answer: int, limit: int, weights_fit: bool, stopped: bool,
+                 batch, context, new_tokens: int) -> str:
+    """Which of ANSWER_BOUNDS set fit's `key` answer, `answer`, the largest size up to `limit`."""
+    if not weights_fit:
+        return "weights"
+    if stopped:
+        return "search bound"
+    if key == "largest_context_at_batch":
+        if answer >= limit:
+            # _fit_search's limit: the positions less the new tokens, where below MAX_MODEL_CONTEXT's
+            return "positions" if shape.max_positions and max(shape.max_positions - new_tokens, 1) == limit \
+                else "size limit"
+        return "size limit" if batch * (answer + 1 + new_tokens) > MAX_TOKENS else "memory"
+    return "size limit" if answer >= limit else "memory"
+
+
+def weights_beyond(shape: ModelShape, dtype: str, budget_bytes: int, degree: int, mesh, allocator, trace_cache) -> dict:
+    """Why no size fits: {"weights_bytes": what the load holds (replayed with no cap), "reason"}, and for a
+    --quantize shape the parameters bitsandbytes leaves in `dtype` (lab_helpers.real.kept_weights)."""
+    weights = load_for_prediction(shape, dtype, None, degree, mesh, allocator, trace_cache)["weights_bytes"]
+    out = {"weights_bytes": weights,
+           "reason": f"the weights alone, {weights} bytes, exceed the budget of {budget_bytes} bytes"}
+    if shape.quantization:
+        from lab_helpers.real.kept_weights import kept_parameters
+        kept = kept_parameters(shape, dtype)
+        out["unquantized_parameters"] = kept
+        if kept["kept"]:
+            largest = kept["kept"][0]
+            out["reason"] += (f"; bitsandbytes quantizes only torch.nn.Linear layers (not the output head), so "
+                              f"{kept['kept_bytes']} bytes of parameters stay in {dtype}, "
+                              f"{largest['bytes']} of them the {largest['tensor_dims']}-D parameters of "
+                              f"{largest['module_class']}")
+    return out
 
 
 # Every search is bounded by the model's limits (positions, MAX_TOKENS) and by a number of
@@ -281,6 +325,14 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
             bounded.append("largest_batch_at_context")
     bar.close()
     result["weights_fit"] = loaded is not None
+    if loaded is None:
+        result.update(weights_beyond(shape, dtype, budget_bytes, degree, mesh, allocator, trace_cache))
+    sizes_limit = {"largest_context_at_batch": context_limit, "largest_batch_at_context": result.get("batch_bound")}
+    for key in ("largest_context_at_batch", "largest_batch_at_context"):
+        if key in result:
+            result[key.split("_at_")[0] + "_bound"] = answer_bound(
+                shape, key, result[key], sizes_limit[key], loaded is not None, key in bounded,
+                result.get("batch"), result.get("context"), new_tokens)
     result["predictions_run"] = len(predictions)
     result["search_bound"] = (
         f"at most {limit} predictions (MAX_FIT_PREDICTIONS {MAX_FIT_PREDICTIONS}, at most "

@@ -1,5 +1,5 @@
 """real_model's results as text for people: one table per command."""
-from lab_helpers.core.tables import format_bytes, phase_label, rank_groups, ranks_label, text_table
+from lab_helpers.core.tables import LINE_WIDTH, format_bytes, phase_label, rank_groups, ranks_label, text_table, wrapped
 from lab_helpers.real.card_fit import CARD_FIT_KIND, format_card_fit
 from lab_helpers.real.spec import COUNTER_KEYS
 
@@ -12,10 +12,11 @@ def _phase_tables(phases: list) -> list:
     largest transient above it, sizes in MiB or GiB with the bytes beside them."""
     kinds = list(phases[0]["end_allocated_bytes_by_kind"]) if phases else []
     counters = text_table(("phase", "end allocated", "peak allocated", "end reserved", "peak reserved"),
-                          [(phase_label(p), *(format_bytes(p[k]) for k in PHASE_COUNTERS)) for p in phases])
+                          [(phase_label(p), *(format_bytes(p[k]) for k in PHASE_COUNTERS)) for p in phases],
+                          width=LINE_WIDTH)
     made_of = text_table(("phase", *(k.replace("_", " ") for k in kinds), "transient peak"),
                          [(phase_label(p), *(format_bytes(p["end_allocated_bytes_by_kind"][k]) for k in kinds),
-                           format_bytes(p["transient_peak_bytes"])) for p in phases])
+                           format_bytes(p["transient_peak_bytes"])) for p in phases], width=LINE_WIDTH)
     return [counters, "end allocated, by kind (they add up to it), and the largest transient above it:", made_of]
 
 
@@ -34,7 +35,8 @@ def model_prediction_table(result: dict) -> str:
             lines += [f"{ranks_label(numbers)}:", *_phase_tables(phases)]
     else:
         lines += _phase_tables(result["phases"])
-    return "\n".join(lines) + "\n" + budget_lines(result).rstrip("\n") + out_of_memory_lines(result.get("out_of_memory"))
+    return wrapped("\n".join(lines) + "\n" + budget_lines(result).rstrip("\n")
+                   + out_of_memory_lines(result.get("out_of_memory")))
 
 
 def budget_lines(result: dict) -> str:
@@ -75,6 +77,10 @@ def _other_differences(row: dict) -> str:
     return ", ".join(off) or "exact"
 
 
+# where the comparison is too wide for one table: allocated, reserved, then the other counters
+COMPARISON_BANDS = ((1, 2, 3), (4, 5, 6), (7,))
+
+
 def model_comparison_table(result: dict) -> str:
     """compare_model's result for people: measured beside predicted peaks per phase (and rank), their
     differences (measured - predicted) in bytes, and every other counter's difference."""
@@ -89,15 +95,46 @@ def model_comparison_table(result: dict) -> str:
     budget = result.get("budget") or {}
     allocator = "" if result.get("allocator_conf", "expandable_segments:False") == "expandable_segments:False" else (
         f"; replayed under {result['allocator_conf']}")
-    return (f"{result['config_name']}: measured beside predicted; allocated exact: "
-            f"{'yes' if result['allocated_exact'] else 'no'}{allocator}\n"
-            + text_table(header, rows)
-            + f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
-            + out_of_memory_lines(budget.get("predicted_out_of_memory")))
+    return wrapped(f"{result['config_name']}: measured beside predicted; allocated exact: "
+                   f"{'yes' if result['allocated_exact'] else 'no'}{allocator}\n"
+                   + text_table(header, rows, width=LINE_WIDTH, bands=COMPARISON_BANDS)
+                   + f"\nreplayed under {budget.get('replayed_under', 'an unbounded device')}: {budget.get('rule', '')}"
+                   + out_of_memory_lines(budget.get("predicted_out_of_memory")))
+
+
+# fit's largest-size answers, by what set them (lab_helpers.real.fit.ANSWER_BOUNDS)
+BOUND_WORDS = {
+    "memory": "memory: one more does not fit the budget",
+    "positions": "positions: the model's positions less the new tokens, not memory",
+    "weights": "the weights alone exceed the budget",
+    "search bound": "the search's number of predictions: a lower bound, not memory's",
+    "size limit": "the lab's size limit (batch x (context + new tokens), batch and context bounds), not memory",
+}
+
+
+def bound_words(bound: str) -> str:
+    """A fit answer's bound ('memory', 'positions', ...) said for people."""
+    return f"bound: {bound}" if bound not in BOUND_WORDS else f"bound: {BOUND_WORDS[bound]}"
+
+
+def weights_lines(result: dict) -> list:
+    """Why no size fits when the weights alone exceed the budget, and which weights stay unquantized."""
+    if result.get("weights_fit", True) or "weights_bytes" not in result:
+        return []
+    lines = [f"the weights alone, {format_bytes(result['weights_bytes'])}, exceed the budget"]
+    kept = result.get("unquantized_parameters")
+    if kept and kept["kept"]:
+        groups = ", ".join(f"{g['module_class']} ({g['tensor_dims']}-D, {format_bytes(g['bytes'])})"
+                           for g in kept["kept"][:3])
+        lines[0] += (f"; bitsandbytes quantizes only torch.nn.Linear layers (not the output head): "
+                     f"{format_bytes(kept['kept_bytes'])} of parameters stay in {result['dtype']}, "
+                     f"the largest {groups}")
+    return lines
 
 
 def model_fit_table(result: dict) -> str:
-    """fit_model's answer in lines, or card_fit's table of forfaits."""
+    """fit_model's answer in lines, or card_fit's table of forfaits: the answer, what set each largest
+    size, sizes in GiB with the bytes beside them, within LINE_WIDTH."""
     if result.get("kind") == CARD_FIT_KIND:
         return format_card_fit(result)
     weights = f", {result['quantization']} weights" if "quantization" in result else ""
@@ -113,11 +150,19 @@ def model_fit_table(result: dict) -> str:
                      + (f", peak reserved {format_bytes(result['peak_reserved_bytes'])}, headroom "
                         f"{format_bytes(result['headroom_bytes'])}"
                         if result["fits"] else ""))
+    lines += weights_lines(result)
+    if "weights_fit" in result:
+        lines.append(f"weights fit: {'yes' if result['weights_fit'] else 'no'}")
     if "largest_context_at_batch" in result:
-        lines.append(f"largest context at batch {result.get('batch')}: {result['largest_context_at_batch']}")
+        lines.append(f"largest context at batch {result.get('batch')}: {result['largest_context_at_batch']} "
+                     + (f"(bound: positions: {result['context_bound']} = the model's positions less "
+                        f"{result['new_tokens']} new tokens, not memory)"
+                        if result.get("largest_context_bound") == "positions" else
+                        f"({bound_words(result.get('largest_context_bound', ''))})"))
     if "largest_batch_at_context" in result:
-        lines.append(f"largest batch at context {result.get('context')}: {result['largest_batch_at_context']}")
-    return "\n".join(lines)
+        lines.append(f"largest batch at context {result.get('context')}: {result['largest_batch_at_context']} "
+                     f"({bound_words(result.get('largest_batch_bound', ''))})")
+    return wrapped("\n".join(lines))
 
 
 MODEL_TABLES = {"predict": model_prediction_table, "compare": model_comparison_table, "fit": model_fit_table}

@@ -15,7 +15,8 @@ only, and one whose one GPU cannot hold the run is listed last as not fitting.
 from dataclasses import replace
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING
+from lab_helpers.core.tables import format_bytes
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, format_money
 from lab_helpers.real.budget import budget_rule_text
 from lab_helpers.real.card_fit import (UNCAPPED_BUDGET_BYTES, capped_where_needed, card_answer, card_entry,
                                        card_fit_table, card_heading, card_models, check_card_flags, check_request,
@@ -58,18 +59,38 @@ def training_configuration(shape: ModelShape, spec: TrainSpec) -> dict:
             **{key: value for key, value in record.items() if key not in ("kind", "config_name", "device", "seed")}}
 
 
+def cheaper_with_checkpointing(rows: list, days: int, candidates: list, fits, accepted_results=None) -> tuple:
+    """(the cheapest entry among `candidates` [(gpu, row, budget)] whose one GPU holds the run of `fits`, or
+    None; the predictions run): the candidates are tried by price, so the first that fits is the answer."""
+    from lab_helpers.pricing.forfait import compute_forfait
+    cache = {}
+    priced = sorted(candidates, key=lambda c: (compute_forfait(rows, c[0], days, 1, accepted_results)
+                                               ["total_price_cents"], c[0]))
+    for gpu, row, budget in priced:
+        point = capped_where_needed(cache, fits, TRAIN_CARD_DEGREE, budget["budget_bytes"])
+        if point["fits"]:
+            entry = priced_entry(card_entry(gpu, row, budget, True), rows, row, days, TRAIN_CARD_DEGREE, point,
+                                 accepted_results)
+            return entry, len(cache)
+    return None, len(cache)
+
+
 def cheapest_training_forfaits(shape: ModelShape, spec: TrainSpec, days: int, rows: list, accepted_results=None,
-                               fits=None, card_name: str = "") -> dict:
+                               fits=None, card_name: str = "", checkpointed_fits=None) -> dict:
     """For every GPU model of the card `rows`: does `spec` (TRAIN_FIT_STEPS optimizer steps) fit one
     GPU of it, and if so the lot and its price.
 
     `fits(degree, budget) -> {"fits", "peak_reserved_bytes", "peak_allocated_bytes"}` (or with
     "reason" when it does not fit) defaults to training_fits; through capped_where_needed it runs once
-    with no cap, then once more per budget below that run's peak reserved."""
+    with no cap, then once more per budget below that run's peak reserved.
+
+    Without gradient checkpointing, the GPU models cheaper than the cheapest fit (all, where none fits)
+    are asked again with it (`checkpointed_fits`, default training_fits of that run): where one holds
+    it, "with_gradient_checkpointing" names the cheapest such forfait, a cheaper answer the flag gives."""
     check_request(days, accepted_results)
     spec = replace(spec, steps=TRAIN_FIT_STEPS)
     fits = training_fits(shape, spec) if fits is None else fits
-    cache, fitting, not_fitting = {}, [], []
+    cache, fitting, not_fitting, refused = {}, [], [], []
     for gpu, row in card_models(rows, days).items():
         budget = gpu_budget_bytes(row)
         point = capped_where_needed(cache, fits, TRAIN_CARD_DEGREE, budget["budget_bytes"])
@@ -79,6 +100,30 @@ def cheapest_training_forfaits(shape: ModelShape, spec: TrainSpec, days: int, ro
         else:
             entry["reason"] = f"{NOT_ON_ONE_GPU}; {point['reason']}"
             not_fitting.append(entry)
+            refused.append((gpu, row, budget))
+    answer = card_answer(rows, fitting, not_fitting)
+    extra, checkpointed_predictions = {}, 0
+    if not spec.gradient_checkpointing and refused:
+        # only the models that did not fit can lower the price, and only those below the cheapest fit:
+        # the checkpointed run is predicted for them alone, not for the whole card
+        cheapest = min((e["total_price_cents"] for e in fitting), default=None)
+        from lab_helpers.pricing.forfait import compute_forfait
+        candidates = [c for c in refused if cheapest is None or
+                      compute_forfait(rows, c[0], days, 1, accepted_results)["total_price_cents"] < cheapest]
+        if candidates:
+            checkpointed = replace(spec, gradient_checkpointing=True)
+            found, checkpointed_predictions = cheaper_with_checkpointing(
+                rows, days, candidates,
+                training_fits(shape, checkpointed) if checkpointed_fits is None else checkpointed_fits,
+                accepted_results)
+            if found is not None:
+                extra["with_gradient_checkpointing"] = {
+                    key: found[key] for key in ("gpu", "display_name", "lots", "gpus", "total_price_cents",
+                                                "total_price", "unit_cost_cents", "unit_cost", "budget_bytes",
+                                                "memory_source", "peak_reserved_bytes", "peak_allocated_bytes",
+                                                "headroom_bytes")}
+                if cheapest is not None:
+                    extra["with_gradient_checkpointing"]["saves_cents"] = cheapest - found["total_price_cents"]
     return {
         "kind": TRAIN_CARD_KIND,
         "configuration": training_configuration(shape, spec),
@@ -86,8 +131,8 @@ def cheapest_training_forfaits(shape: ModelShape, spec: TrainSpec, days: int, ro
         "allowed_degrees": [TRAIN_CARD_DEGREE], "degree_rule": TRAIN_DEGREE_RULE,
         "memory_rule": budget_rule_text(),
         "criterion": TRAIN_FIT_CRITERION, "order": TRAIN_ORDER, "unit_cost_rounding": UNIT_COST_ROUNDING,
-        "predictions_run": len(cache),
-        **card_answer(rows, fitting, not_fitting),
+        "predictions_run": len(cache) + checkpointed_predictions,
+        **answer, **extra,
     }
 
 
@@ -106,7 +151,14 @@ def format_train_card(result: dict) -> str:
            f"{c['optimizer']}" + (" fused" if c["fused"] else "")
            + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
            + (f", {c['autocast']} autocast" if "autocast" in c else ""))
-    return card_fit_table(result, run, [f"Degrees: {result['degree_rule']}."],
+    cheaper = result.get("with_gradient_checkpointing")
+    before = ([] if cheaper is None else
+              [f"With --gradient-checkpointing: {cheaper['gpu']} at "
+               f"{format_money(cheaper['total_price_cents'], result['currency'])}"
+               + (f", {format_money(cheaper['saves_cents'], result['currency'])} less than the cheapest fit above"
+                  if "saves_cents" in cheaper else ", where no GPU model fits without it")
+               + f" (peak reserved {format_bytes(cheaper['peak_reserved_bytes'])}).", ""])
+    return card_fit_table(result, run, [*before, f"Degrees: {result['degree_rule']}."],
                           [f"Fits: {result['criterion']}."])
 
 

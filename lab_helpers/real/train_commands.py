@@ -6,7 +6,7 @@ from lab_helpers.core.cli import error_line
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, write_new_json
 from lab_helpers.core.numbers import whole_number
-from lab_helpers.core.tables import format_bytes, phase_label, text_table
+from lab_helpers.core.tables import LINE_WIDTH, format_bytes, phase_label, text_table, wrapped
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
 from lab_helpers.real.early_commands import checked_config, check_packages, model_shape, refuse_without_gpu
@@ -182,13 +182,15 @@ def train_fit_table(result: dict) -> str:
                         f"{format_bytes(result['headroom_bytes'])}"
                         if result["fits"] else "does NOT fit"))
     if "largest_context_at_batch" in result:
-        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']}")
+        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']} "
+                     f"(bound: {result['largest_context_bound']})")
     if "largest_batch_at_context" in result:
-        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']}")
+        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']} "
+                     f"(bound: {result['largest_batch_bound']})")
     if "bounded" in result:
         lines.append(f"note: {result['bounded']}")
     lines.append(f"criterion: {result['criterion']}")
-    return "\n".join(lines)
+    return wrapped("\n".join(lines))
 
 
 def compare_train_model_command(args, document: dict) -> int:
@@ -204,19 +206,19 @@ def train_prediction_table(result: dict) -> str:
              format_bytes(p["peak_reserved_bytes"]), format_bytes(p["end_allocated_bytes_by_kind"]["gradients"]),
              format_bytes(p["end_allocated_bytes_by_kind"]["optimizer_states"]),
              format_bytes(p["end_allocated_bytes_by_kind"]["activations"])) for p in result["phases"]]
-    return "\n".join([
+    return wrapped("\n".join([
         f"training prediction: {c['config_name']}, {c['dtype']}, batch {c['batch']}, context {c['context']}, "
         f"{c['steps']} steps, {c['train']} fine-tuning, {c['optimizer']} ({result['optimizer']['implementation']})"
         + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
         + (f", {c['autocast']} autocast" if "autocast" in c else ""),
-        text_table(header, rows),
+        text_table(header, rows, width=LINE_WIDTH),
         f"overall peak: {format_bytes(result['overall']['peak_allocated_bytes'])} allocated, "
         f"{format_bytes(result['overall']['peak_reserved_bytes'])} reserved",
         f"optimizer: {result['optimizer']['note']}",
         result["attention"],
         *(f"note: {n}" for n in result["notes"]),
         f"assumes: {result['assumptions']}",
-    ])
+    ]))
 
 
 def train_comparison_table(result: dict) -> str:
@@ -226,7 +228,8 @@ def train_comparison_table(result: dict) -> str:
              format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
              format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
              f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]
-    return "\n".join([text_table(header, rows),
+    # where too wide for one table: allocated (measured, predicted, difference), then reserved
+    return "\n".join([text_table(header, rows, width=LINE_WIDTH, bands=((1, 2, 3), (4, 5, 6))),
                       f"allocated exact (baseline, end and peak): {'yes' if result['allocated_exact'] else 'no'}",
                       f"worst peak difference: allocated {result['peak_allocated_worst_relative']:.4%}, reserved "
                       f"{result['peak_reserved_worst_relative']:.4%}"])

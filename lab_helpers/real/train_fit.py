@@ -17,6 +17,18 @@ TRAIN_FIT_CRITERION = (f"{TRAIN_FIT_STEPS} optimizer steps (the second is the st
                        "segments as PyTorch does before an out-of-memory error")
 
 
+def training_bound(stopped: bool, at_limit: bool, next_tokens: int, limit_bound: str) -> str:
+    """What set a largest-size answer of fit --task train, as fit's (lab_helpers.real.fit.ANSWER_BOUNDS):
+    the search's bound, the size's own limit (`limit_bound`: positions or the lab's), the tokens of the
+    next size beyond MAX_TRAIN_TOKENS, else the memory. (The weights are not told apart here: a
+    training run whose weights do not fit is one whose every size runs out of memory.)"""
+    if stopped:
+        return "search bound"
+    if at_limit:
+        return limit_bound
+    return "size limit" if next_tokens > MAX_TRAIN_TOKENS else "memory"
+
+
 def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_source: str,
                  batch=None, context=None) -> dict:
     """Does (batch, context) fit, the largest context at `batch` and the largest batch at `context`,
@@ -68,12 +80,16 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
         found, stopped = largest_fitting(lambda v: probe(batch, v + 1), high - 1, budget_bytes,
                                          start=None if context is None else context - 1)
         result["largest_context_at_batch"] = found + 1 if found else 0
+        result["largest_context_bound"] = training_bound(stopped, found + 1 >= high, batch * (found + 2),
+                                                         "positions" if shape.max_positions == high else "size limit")
         if stopped:
             bounded.append("largest_context_at_batch")
     if context is not None:
         result["context"] = context
         found, stopped = largest_fitting(lambda b: probe(b, context), MAX_MODEL_BATCH, budget_bytes, start=batch)
         result["largest_batch_at_context"] = found
+        result["largest_batch_bound"] = training_bound(stopped, found >= MAX_MODEL_BATCH, (found + 1) * context,
+                                                       "size limit")
         if stopped:
             bounded.append("largest_batch_at_context")
     result["predictions"] = len(predictions)
