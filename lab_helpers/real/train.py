@@ -360,12 +360,12 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
 
 def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
     """Predict allocated and reserved bytes of every training phase, tracing the run on meta. With
-    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.real.tracer's
+    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.allocator.budget's
     OutOfMemory when the run does not fit."""
     import torch
 
     from lab_helpers.allocator.budget import OutOfMemory
-    from lab_helpers.real.tracer import CappedAllocator
+    from lab_helpers.allocator.addressed import CappedAllocator
     from lab_helpers.real.train_trace import TrainingTracer
     tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
     alloc = tracer.allocator
