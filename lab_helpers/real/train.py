@@ -11,10 +11,11 @@ prepare_model_for_kbit_training before its LoRA adapters are added (`prepare_kbi
 from dataclasses import asdict, dataclass, replace
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import run_phase
-from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
+from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
 from lab_helpers.real.config import ModelShape, parse_config
 from lab_helpers.real.protocol import check_cuda, run_protocol
 from lab_helpers.measurement.schema import FOUR_BIT_KINDS
