@@ -73,9 +73,9 @@ def measured_run(shape, spec):
 
 
 def predicted_run(shape, spec):
-    import lab_helpers.real.tracer as tracer_module
+    from lab_helpers.allocator.addressed import AddressedAllocator
     made = []
-    original = tracer_module.AddressedAllocator.segment_address
+    original = AddressedAllocator.segment_address
 
     def logged(self, segment_bytes, request_bytes):
         address = original(self, segment_bytes, request_bytes)
@@ -83,11 +83,11 @@ def predicted_run(shape, spec):
         return address
 
     # small segments are addressed by AllocatorModel.segment_address, through the same method name
-    tracer_module.AddressedAllocator.segment_address = logged
+    AddressedAllocator.segment_address = logged
     try:
         document = predict_training_model(shape, spec)
     finally:
-        tracer_module.AddressedAllocator.segment_address = original
+        AddressedAllocator.segment_address = original
     phases, total, queue = [], 0, list(made)
     for p in document["phases"]:
         mine = []

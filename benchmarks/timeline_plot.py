@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from lab_helpers.allocator.history import TIMELINE_ACTIONS, TIMELINE_KIND  # noqa: E402
 from lab_helpers.core.cli import CommandParser  # noqa: E402
-from lab_helpers.core.files import write_new_bytes  # noqa: E402
+from lab_helpers.core.files import SCHEMA_VERSION, write_new_bytes  # noqa: E402
 from lab_helpers.core.numbers import MIB  # noqa: E402
-from lab_helpers.measurement.schema import SCHEMA_VERSION  # noqa: E402
 from lab_helpers.views.timeline import ALLOC, FREE, SEGMENT_ALLOC, load_timeline, render_png  # noqa: E402
 
 MAX_SECONDS = 5.0

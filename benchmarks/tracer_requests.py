@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import lab_helpers.real.predict as predict  # noqa: E402
 import lab_helpers.real.replay as replay  # noqa: E402
 import lab_helpers.real.tracer as tracer  # noqa: E402
+from lab_helpers.allocator.addressed import AddressedAllocator  # noqa: E402
 from lab_helpers.real.config import parse_config  # noqa: E402
 from lab_helpers.real.spec import RunSpec  # noqa: E402
 
@@ -49,7 +50,7 @@ BIASED = {"gpt2"}
 CUBLAS_BYTES, CUBLASLT_BYTES = 32 * 2**20, 2**20
 
 
-class RecordingAllocator(tracer.AddressedAllocator):
+class RecordingAllocator(AddressedAllocator):
     """AddressedAllocator that logs every request: ("alloc", bytes) and ("free", bytes asked)."""
 
     log = []  # shared by the deep copies predict_model makes

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from lab_helpers.allocator.addressed import AddressedAllocator, CappedAllocator
 from lab_helpers.allocator.addresses import DriverAddresses
+from lab_helpers.allocator.budget import OutOfMemory
 from lab_helpers.allocator.model import AllocatorModel, MIN_BLOCK_BYTES, SMALL_REQUEST_MAX_BYTES
-from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
 
 MIB = 2**20
 

@@ -60,6 +60,100 @@ def test_the_package_has_no_import_cycle():
         visit(path)
 
 
+# The sub-packages from the bottom up: each imports only from itself and the ones below it, lazy
+# imports inside functions included, so no two of them depend on each other (docs/architecture.md)
+LAYERS = ["core", "allocator", "measurement", "launch", "synthetic", "pricing", "real", "views", "build",
+          "entry modules"]
+# the modules that import a package outside the standard library when they load, not inside a function
+LOAD_TIME_IMPORTS = {
+    "lab_helpers/build/sync.py": {"nbformat"},
+    "lab_helpers/real/autocast.py": {"torch"},
+    "lab_helpers/real/bnb_kernels.py": {"torch"},
+    "lab_helpers/real/tracer.py": {"torch"},
+    "lab_helpers/real/train_trace.py": {"torch"},
+    "lab_helpers/views/sweep.py": {"tqdm"},
+}
+HEAVY = {"torch", "transformers", "tqdm"}
+# those, and the ones that import a package module of them when they load: importing any of these
+# modules loads torch or tqdm; every other module keeps them in functions
+LOADS_HEAVY = {"lab_helpers/real/autocast.py", "lab_helpers/real/bnb_kernels.py", "lab_helpers/real/tracer.py",
+               "lab_helpers/real/train_trace.py", "lab_helpers/views/sweep.py",
+               "lab_helpers/views/sweep_commands.py", "lab_helpers/sweep.py"}
+
+
+def layer_of(path: str) -> str:
+    return "entry modules" if path.count("/") == 1 else path.split("/")[1]
+
+
+def imported_layers(path: str):
+    """(layer, line) of every package module or sub-package `path` imports, at any depth."""
+    for node in ast.walk(tree_of(path)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lab_helpers":
+            names = node.module.split(".")[1:2] or [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name.split(".")[1] for alias in node.names if alias.name.startswith("lab_helpers.")]
+        else:
+            continue
+        for name in names:
+            is_package = (ROOT / "lab_helpers" / name).is_dir()
+            yield (name if is_package else "entry modules"), node.lineno
+
+
+def load_time_imports(path: str):
+    """The top-level names of what `path` imports when it loads: every import but those in a function."""
+    found, nodes = set(), list(tree_of(path).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+            if node.module.startswith("lab_helpers."):
+                found.add(bundle.module_path(node.module))
+        nodes.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_sub_packages_import_only_the_layers_below_them():
+    assert sorted({layer_of(path) for path in MODULES + ENTRY_MODULES}) == sorted(LAYERS)
+    upward = [f"{path}:{line} ({layer_of(path)}) imports {layer}"
+              for path in MODULES + ENTRY_MODULES for layer, line in imported_layers(path)
+              if LAYERS.index(layer) > LAYERS.index(layer_of(path))]
+    assert not upward, upward
+
+
+def test_the_sub_package_graph_has_no_cycle():
+    edges = {}
+    for path in MODULES + ENTRY_MODULES:
+        edges.setdefault(layer_of(path), set()).update(
+            layer for layer, _ in imported_layers(path) if layer != layer_of(path))
+    order = []  # Kahn's algorithm: a layer once every layer it imports is placed
+    while len(order) < len(edges):
+        ready = sorted(layer for layer, needed in edges.items() if layer not in order and needed <= set(order))
+        assert ready, f"cycle among {sorted(set(edges) - set(order))}"
+        order += ready
+    assert all(LAYERS.index(needed) < LAYERS.index(layer) for layer in edges for needed in edges[layer])
+
+
+def test_the_modules_that_import_torch_or_tqdm_when_they_load_are_these():
+    third_party = {}
+    for path in MODULES + ENTRY_MODULES:
+        names = {name for name in load_time_imports(path)
+                 if "/" not in name and name != "lab_helpers" and name not in sys.stdlib_module_names}
+        if names:
+            third_party[path] = names
+    assert third_party == LOAD_TIME_IMPORTS
+    loads = {path for path, names in LOAD_TIME_IMPORTS.items() if names & HEAVY}
+    while True:  # and the modules that import one of them at load, through any chain
+        more = {path for path in MODULES + ENTRY_MODULES if path not in loads and load_time_imports(path) & loads}
+        if not more:
+            break
+        loads |= more
+    assert loads == LOADS_HEAVY
+
+
 def test_every_bundle_root_bundles():
     """The modules a standalone file or a notebook takes use only the import form the bundler drops."""
     from lab_helpers.build.sync import NOTEBOOK_ROOTS

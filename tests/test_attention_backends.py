@@ -7,11 +7,12 @@ from torch.cuda.memory._record_memory_history. Frees between two allocations are
 set (their order does not change the allocator's state)."""
 import pytest
 
+from lab_helpers.allocator.addressed import AddressedAllocator
 from lab_helpers.real import tracer as tracer_module
 from lab_helpers.real.config import parse_config
 from lab_helpers.real.predict import predict_model
 from lab_helpers.real.spec import RunSpec
-from lab_helpers.real.tracer import (CUDNN, OTHER, AddressedAllocator, AllocationTracer, cudnn_decode_workspace_bytes,
+from lab_helpers.real.tracer import (CUDNN, OTHER, AllocationTracer, cudnn_decode_workspace_bytes,
                                      cudnn_output_like, cudnn_sdpa_supported, sdpa_backend)
 
 torch = pytest.importorskip("torch")

@@ -177,7 +177,7 @@ def test_fit_task_train_under_autocast_finds_a_batch_that_fits_whose_next_does_n
     is a batch that fits whose next does not; the answer and its table name the autocast."""
     from dataclasses import replace
 
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.train import TrainSpec, predict_training_model
     from lab_helpers.real.train_fit import fit_training
     from lab_helpers.real_model import main

@@ -93,7 +93,7 @@ def test_without_a_budget_or_with_room_the_replay_is_the_unbounded_one_byte_for_
 
 
 def test_the_real_model_allocator_keeps_its_addresses_through_the_same_replay():
-    from lab_helpers.real.tracer import CappedAllocator
+    from lab_helpers.allocator.addressed import CappedAllocator
     alloc = CappedAllocator(100 * MIB)
     first = alloc.malloc(60 * MIB)
     alloc.free(first)

@@ -407,7 +407,7 @@ def test_qlora_refusals_are_one_line_exit_2_and_write_nothing(capsys, tmp_path, 
 
 def test_fit_task_train_qlora_names_its_base_and_its_boundary_holds():
     pytest.importorskip("peft")
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.train_fit import fit_training
     shape = parse_config(TINY_ODD, "tiny-odd")
     base = TrainSpec("tiny-odd", batch=1, context=64, train="qlora", lora_rank=4, quantize="fp4")
@@ -524,7 +524,7 @@ def test_qlora_runs_measured_on_the_h200_are_predicted_to_the_byte(point):
 def test_fit_names_its_8bit_weights_and_its_boundary_holds(tmp_path, capsys):
     """fit --quantize int8-threshold-0: the answer and its table name the weights; the largest batch
     it gives fits the budget and one more does not, each predicted on its own."""
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     config = tmp_path / "odd.json"
     config.write_text(json.dumps(ODD))
     budget = 80_000_000

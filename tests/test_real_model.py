@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import run_main_in_process
+from lab_helpers.allocator.addressed import AddressedAllocator, CappedAllocator
+from lab_helpers.allocator.budget import OutOfMemory
 from lab_helpers.allocator.history import OOM_SNAPSHOT_KIND, HistoryRecorder, timeline_from_snapshot
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core import files
@@ -24,8 +26,7 @@ from lab_helpers.real.fit import fit_model
 from lab_helpers.real.predict import predict_model
 from lab_helpers.real.protocol import timeline_labels, transformers_config
 from lab_helpers.real.spec import COUNTER_KEYS, RunSpec, model_description, recorded_steps
-from lab_helpers.real.tracer import (DEFAULT_BEHAVIOUR, AddressedAllocator, AllocationTracer, CappedAllocator,
-                                     OutOfMemory, argmax_staging_bytes,
+from lab_helpers.real.tracer import (DEFAULT_BEHAVIOUR, AllocationTracer, argmax_staging_bytes,
                                      reduction_staging_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent

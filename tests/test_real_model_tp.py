@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab_helpers.allocator.addressed import AddressedAllocator
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.tables import format_bytes
 from lab_helpers.real.commands import main
@@ -17,7 +18,7 @@ from lab_helpers.real.fit import fits_at_degree, gpu_budget
 from lab_helpers.real.predict import fake_process_group, predict_model
 from lab_helpers.real.protocol import run_protocol
 from lab_helpers.real.spec import RunSpec
-from lab_helpers.real.tracer import AddressedAllocator, AllocationTracer
+from lab_helpers.real.tracer import AllocationTracer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,

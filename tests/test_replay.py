@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lab_helpers.allocator.budget import OutOfMemory
 from lab_helpers.allocator.model import SMALL_REQUEST_MAX_BYTES
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, allocator_settings
 from lab_helpers.core.errors import LabError
@@ -18,7 +19,6 @@ from lab_helpers.real.replay import (TRACED_DECODE_STEPS, ExtendedRun, LoadTrace
 from lab_helpers.real.spec import RunSpec, recorded_steps
 from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
 from lab_helpers.real.traces import TraceSession
-from lab_helpers.real.tracer import OutOfMemory
 
 MIB = 2**20
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,

@@ -230,7 +230,7 @@ def test_fit_task_train_finds_a_boundary_where_the_galloping_search_does(monkeyp
     fits whose next does not, not the same one."""
     from dataclasses import replace
 
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.train import TrainSpec, predict_training_model
     shape = parse_config(reduced("llama-3.1-8b", layers=1, vocab_size=500), "llama-3.1-8b")
     spec = TrainSpec(shape.name, batch=2, context=48, steps=2, train="full")

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from conftest import run_main_in_process
+from lab_helpers.allocator.budget import OutOfMemory
 from lab_helpers.pricing.card import load_card
 from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import load_config
-from lab_helpers.real.tracer import OutOfMemory
 from lab_helpers.real.train import TrainSpec, predict_training_model
 from lab_helpers.real.train_card import (NOT_ON_ONE_GPU, cheapest_training_forfaits, format_train_card,
                                          training_fits)

@@ -197,7 +197,7 @@ def test_lora_flags_need_train_lora(capsys):
 
 
 def test_fit_task_train_gives_the_boundary_its_predictions_show():
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.real.train_fit import fit_training
     shape = parse_config(dict(TINY, num_hidden_layers=2), "tiny")
     base = TrainSpec("tiny", dtype="float32", batch=1, context=128)

@@ -5,8 +5,8 @@ import time
 
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.core.errors import LabError, safe_reason
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import parse_whole
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 
 
 # The raw material of lab_helpers.timeline (plot, explain), recorded by `measure --timeline`. It

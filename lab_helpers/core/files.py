@@ -21,6 +21,9 @@ MAX_MEASUREMENT_FILE_BYTES = 64 * 2**20  # a real measurement file is a few KiB
 MAX_JSON_DEPTH = 32  # a measurement nests 4 levels deep; more is not a measurement
 
 
+SCHEMA_VERSION = 1  # of every document the lab writes: a measurement, a timeline, an out-of-memory file
+
+
 def display_path(path) -> str:
     """The path as the user gave it if relative, relative to the cwd when it lies under it; a newline,
     an escape sequence or an undecodable byte in it spelled out (\\n, \\x1b, \\udcff), so a message

@@ -3,11 +3,8 @@ import json
 import re
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.files import display_path, read_json_file
+from lab_helpers.core.files import SCHEMA_VERSION, display_path, read_json_file
 from lab_helpers.core.numbers import DTYPE_BYTES
-
-
-SCHEMA_VERSION = 1
 
 
 PHASES = ("model_load", "inputs", "cold_forward", "warmup", "warm_forward")

@@ -88,7 +88,7 @@ def _fits(shape: ModelShape, spec: RunSpec, budget: int, loaded: dict) -> dict:
     """{"fits", and the peaks under the budget where it fits, else "uncapped": a function giving the
     peaks with no cap}: a run that does not fit is replayed again from its trace with no cap, its peaks
     guiding fit's search (lab_helpers.real.search), only when the search reads them."""
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     try:
         prediction = predict_model(shape, spec, capacity_bytes=budget, loaded=loaded)
     except OutOfMemory:
@@ -128,7 +128,7 @@ def fits_at_degree(shape: ModelShape, spec: RunSpec, degree: int, budget_bytes: 
                                                                      spec.dtype)
     if -(-held // degree) > budget_bytes:
         return {**no, "reason": f"weights and key/value cache alone take {-(-held // degree)} bytes per rank"}
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     try:
         overall = rank_zero_replay(shape, replace(spec, tensor_parallel=degree), budget_bytes, trace_cache)
     except OutOfMemory as exc:
@@ -243,7 +243,7 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     if context is not None and context > context_limit:  # before any prediction
         raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
                        f"minus {new_tokens} new tokens")
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     cache, predictions = {}, []
     limit = prediction_limit(new_tokens)
     try:

@@ -4,12 +4,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.files import check_new_output, write_new_json
+from lab_helpers.core.files import SCHEMA_VERSION, check_new_output, write_new_json
 from lab_helpers.launch.tensor_parallel import TensorParallelRun
 from lab_helpers.launch.torchrun import launch_info
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, run_phase
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ModelShape, check_tensor_parallel
 from lab_helpers.real.protocol import check_cuda, run_protocol
 from lab_helpers.real.spec import RunSpec, model_description, run_configuration

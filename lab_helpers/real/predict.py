@@ -14,7 +14,7 @@ from lab_helpers.allocator.budget import UNBOUNDED_NOTE, UNRECORDED_NOTE, measur
 from lab_helpers.allocator.model import AllocatorModel
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings, recorded_settings
 from lab_helpers.core.errors import LabError
-from lab_helpers.measurement.schema import SCHEMA_VERSION
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.real.quantized import check_quantization
 from lab_helpers.real.config import ModelShape, check_tensor_parallel, parse_config
 from lab_helpers.real.replay import allocator_factory

@@ -9,10 +9,10 @@ import contextlib
 
 from lab_helpers.allocator.history import HistoryRecorder, INPUTS_LABEL, KV_CACHE_LABEL, WEIGHTS_LABEL
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import PhaseError, open_device, run_phase
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.real.config import ConfigError, ModelShape, key_named, one_line_reason, transformers_config_of
 from lab_helpers.real.quantized import load_on_gpu, load_on_meta, quantized_skeleton, random_checkpoint
 from lab_helpers.real.spec import RunSpec, model_description, recorded_steps, run_configuration

@@ -200,8 +200,9 @@ def _counters(alloc, base_allocated: int, base_reserved: int) -> dict:
 def replay_allocator_for(settings, capacity_bytes=None):
     """The replayed allocator of a real-model prediction under `settings` (AllocatorSettings), capped at
     `capacity_bytes` (what it may reserve) when one is given."""
+    from lab_helpers.allocator.addressed import AddressedAllocator, CappedAllocator
+    from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.allocator.expandable import CappedExpandableAllocator, ExpandableAllocator
-    from lab_helpers.real.tracer import AddressedAllocator, CappedAllocator, OutOfMemory
     if settings.expandable_segments:
         # segments grow in place: no address to choose, so no AddressedAllocator counterpart
         return ExpandableAllocator() if capacity_bytes is None else CappedExpandableAllocator(capacity_bytes,

@@ -11,10 +11,11 @@ prepare_model_for_kbit_training before its LoRA adapters are added (`prepare_kbi
 from dataclasses import asdict, dataclass, replace
 
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
 from lab_helpers.measurement.environment import environment
 from lab_helpers.measurement.protocol import run_phase
-from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
+from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES
 from lab_helpers.real.config import ModelShape, parse_config
 from lab_helpers.real.protocol import check_cuda, run_protocol
 from lab_helpers.measurement.schema import FOUR_BIT_KINDS
@@ -360,12 +361,12 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
 
 def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
     """Predict allocated and reserved bytes of every training phase, tracing the run on meta. With
-    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.real.tracer's
+    `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.allocator.budget's
     OutOfMemory when the run does not fit."""
     import torch
 
     from lab_helpers.allocator.budget import OutOfMemory
-    from lab_helpers.real.tracer import CappedAllocator
+    from lab_helpers.allocator.addressed import CappedAllocator
     from lab_helpers.real.train_trace import TrainingTracer
     tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
     alloc = tracer.allocator

@@ -38,7 +38,7 @@ def training_fits(shape: ModelShape, spec: TrainSpec):
     """fits(degree, budget) for capped_where_needed: `spec` predicted on one GPU, with no cap at
     UNCAPPED_BUDGET_BYTES, else under the replayed allocator capped at `budget`:
     {fits, peak_reserved_bytes, peak_allocated_bytes} or {fits: False, reason}."""
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
 
     def fits(degree, budget):
         if degree != TRAIN_CARD_DEGREE:

@@ -33,7 +33,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
                  batch=None, context=None) -> dict:
     """Does (batch, context) fit, the largest context at `batch` and the largest batch at `context`,
     for the fine-tuning run `base` (its optimizer, what is trained, checkpointing) of two steps."""
-    from lab_helpers.real.tracer import OutOfMemory
+    from lab_helpers.allocator.budget import OutOfMemory
     if batch is None and context is None:
         raise LabError("give --batch, --context or both")
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:

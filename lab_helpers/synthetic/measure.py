@@ -1,9 +1,9 @@
 """Measuring the synthetic network on one GPU, phase by phase."""
 from lab_helpers.allocator.history import HistoryRecorder
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.measurement.environment import environment_document
 from lab_helpers.measurement.protocol import import_torch, open_device, run_phase
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.synthetic.network import MeasureConfig, synthetic_model
 
 

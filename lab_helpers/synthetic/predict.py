@@ -8,9 +8,10 @@ from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPA
 from lab_helpers.allocator.settings import (DEFAULT_SETTINGS, AllocatorSettings, parse_allocator_conf, recorded_settings,
                                             replay_allocator)
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MAX_TENSOR_PARALLEL, MEASUREMENT_SCHEMA,
-                                            PHASES, SCHEMA_VERSION, schema_errors)
+                                            PHASES, schema_errors)
 from lab_helpers.synthetic.network import MeasureConfig, parameter_shapes, synthetic_model
 
 

@@ -1,10 +1,10 @@
 """Measuring the synthetic network split over N GPUs (one torchrun process per GPU)."""
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.launch.tensor_parallel import TensorParallelRun
 from lab_helpers.launch.torchrun import LaunchInfo
 from lab_helpers.measurement.environment import environment_document
 from lab_helpers.measurement.protocol import PhaseError, import_torch, run_phase
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.synthetic.measure import check_device
 from lab_helpers.synthetic.network import MeasureConfig, synthetic_model
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from lab_helpers.allocator.model import AllocatorModel, DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.environment import environment_document
 from lab_helpers.measurement.protocol import import_torch, run_phase
-from lab_helpers.measurement.schema import (MAX_TRAIN_STEPS, SCHEMA_VERSION, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES,
+from lab_helpers.measurement.schema import (MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS, TRAIN_STEP_PHASES,
                                             schema_errors, MEASUREMENT_SCHEMA)
 from lab_helpers.synthetic.measure import check_device
 from lab_helpers.synthetic.network import MeasureConfig, synthetic_model

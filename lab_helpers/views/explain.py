@@ -13,9 +13,8 @@ from lab_helpers.allocator.history import (MAX_ERROR_MESSAGE_CHARS, OBSERVER_STA
                                            parse_oom_message, torch_format_size)
 from lab_helpers.allocator.model import (AllocatorModel, LARGE_SEGMENT_BYTES, SMALL_REQUEST_MAX_BYTES,
                                          SMALL_SEGMENT_BYTES)
-from lab_helpers.core.files import read_bounded_bytes, read_json_file
+from lab_helpers.core.files import SCHEMA_VERSION, read_bounded_bytes, read_json_file
 from lab_helpers.core.numbers import MIB
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.core.text import printable
 from lab_helpers.views.timeline import MAX_FILE_BYTES, MAX_FILE_BYTES_LIMIT, TimelineError
 

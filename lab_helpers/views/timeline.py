@@ -18,9 +18,8 @@ import json
 from lab_helpers.allocator.history import (DEFAULT_MAX_ENTRIES, NO_PHASE, TIMELINE_ACTIONS, TIMELINE_COLUMNS,
                                            TIMELINE_KIND, is_byte_count, oom_snapshot_document)
 from lab_helpers.core.errors import LabError
-from lab_helpers.core.files import read_json_file, write_new_bytes
+from lab_helpers.core.files import SCHEMA_VERSION, read_json_file, write_new_bytes
 from lab_helpers.core.numbers import MIB
-from lab_helpers.measurement.schema import SCHEMA_VERSION
 from lab_helpers.views.plots import MAX_DRAWN_CHARS, drawn_text, plain_texts
 
 ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = range(len(TIMELINE_ACTIONS))
