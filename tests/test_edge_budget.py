@@ -257,8 +257,9 @@ def test_real_model_predict_with_and_without_each_budget_flag(tmp_path, monkeypa
     by_gpu = json.loads(real_predict([*run, "--gpu", "h200-sxm"], cwd).stdout)
     assert by_gpu["budget"] == dict(zip(("bytes", "source"), gpu_budget("h200-sxm")))
     assert by_gpu["phases"] == document["phases"]
-    from lab_helpers.real import commands
+    from lab_helpers.real import commands, early_commands
     monkeypatch.setattr(commands, "usable_memory_bytes", lambda device: 35651583)
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # --device, as on a GPU machine
     by_device = real_predict([*run, "--device", "cuda:0"], cwd)
     assert by_device.returncode == 3
     assert json.loads(by_device.stdout)["budget"] == {

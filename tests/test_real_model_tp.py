@@ -12,6 +12,7 @@ import torch
 from lab_helpers.allocator.addressed import AddressedAllocator
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.tables import format_bytes
+from lab_helpers.real import early_commands
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import ConfigError, check_tensor_parallel, load_config, parse_config
 from lab_helpers.real.fit import fits_at_degree, gpu_budget
@@ -194,7 +195,8 @@ def test_no_process_group_is_left_behind_and_an_existing_one_is_refused():
     ({"vocab_size": 1001}, 2, "vocab_size"),
     ({"tie_word_embeddings": True}, 2, "tie_word_embeddings"),
 ])
-def test_a_degree_the_plan_cannot_split_by_is_one_line_exit_2(tmp_path, capsys, changes, degree, key):
+def test_a_degree_the_plan_cannot_split_by_is_one_line_exit_2(tmp_path, capsys, monkeypatch, changes, degree, key):
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # measure's refusal, as on a GPU machine
     path = tiny_file(tmp_path, **changes)
     for command in (["predict", "--batch", 1, "--context", 8], ["fit", "--batch", 1, "--memory-bytes", 2**30],
                     ["measure", "--batch", 1, "--context", 8, "--output", tmp_path / "m.json"]):
@@ -291,6 +293,7 @@ def test_measure_at_tp2_refuses_device_and_timeline(tmp_path, capsys):
 
 
 def test_measure_at_tp2_without_torchrun_says_the_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # as on a GPU machine
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     code, out, err = run_main(capsys, "measure", "--config", "llama-3.1-8b", "--batch", 1, "--context", 8,
@@ -340,16 +343,23 @@ def test_compare_on_a_tp_file_lists_every_rank(tmp_path, capsys):
     code, out, err = run_main(capsys, "compare", path, "--format", "table")
     lines = out.splitlines()
     assert code == 0 and lines[0] == "tiny: measured beside predicted; allocated exact: yes"
-    assert lines[1].split()[:4] == ["phase", "measured", "peak", "allocated"]
+    assert max(map(len, lines)) <= 120
+    # three tables within 120 columns, each led by the phase: peak allocated, peak reserved, baseline and end
     labels = [f"rank {rank} {label} " for rank in (0, 1)
               for label in ("model_load", "inputs", "prefill", "decode #0", "decode #1")]
-    assert len(lines) == 13 and all(line.startswith(label) for line, label in zip(lines[2:12], labels)), lines
+    allocated, reserved, ends = lines[1:12], lines[13:24], lines[25:36]
+    assert allocated[0].split()[:4] == ["phase", "measured", "peak", "allocated"]
+    assert reserved[0].split()[:4] == ["phase", "measured", "peak", "reserved"]
+    assert ends[0].split() == ["phase", "baseline", "and", "end"]
+    for table in (allocated, reserved, ends):
+        assert all(line.startswith(label) for line, label in zip(table[1:], labels)), table
     last = result["rows"][-1]
-    assert lines[11].split()[4:] == [*format_bytes(last["measured_peak_allocated_bytes"]).split(),
-                                     *format_bytes(last["predicted_peak_allocated_bytes"]).split(), "+512",
-                                     *format_bytes(last["measured_peak_reserved_bytes"]).split(),
-                                     *format_bytes(last["predicted_peak_reserved_bytes"]).split(), "+0", "exact"]
-    assert all(line.split()[-2:] == ["+0", "exact"] for line in lines[2:11]), lines
+    assert allocated[-1].split()[4:] == [*format_bytes(last["measured_peak_allocated_bytes"]).split(),
+                                         *format_bytes(last["predicted_peak_allocated_bytes"]).split(), "+512"]
+    assert reserved[-1].split()[4:] == [*format_bytes(last["measured_peak_reserved_bytes"]).split(),
+                                        *format_bytes(last["predicted_peak_reserved_bytes"]).split(), "+0"]
+    assert all(line.split()[-1] == "+0" for line in allocated[1:-1] + reserved[1:]), lines
+    assert all(line.split()[-1] == "exact" for line in ends[1:]), lines
 
 
 def test_compare_table_names_every_counter_that_differs(tmp_path, capsys):
