@@ -2692,6 +2692,24 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     `command`, see launcher_command), when a variable is missing or not a whole number, when
     WORLD_SIZE differs from `tensor_parallel`, when a rank is out of range, or when this machine runs
     more ranks than it has visible GPUs. `environ` replaces launcher_environment() (for tests)."""
+    info = launcher_place(tensor_parallel, command, environ)
+    torch = import_torch()
+    try:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:  # a broken driver reads as no device, with its reason
+        raise LabError(f"no CUDA device is usable by torch ({safe_reason(exc)})") from None
+    if visible == 0:
+        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
+                       "per rank and never falls back to the CPU")
+    if info.local_world_size > visible:
+        raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
+                       "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")
+    return info
+
+
+def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
+    """launch_info's checks of the launcher's environment alone, with no torch: a command refuses a
+    run started without torchrun, or at another degree, before it imports anything heavy."""
     parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
     env = launcher_environment() if environ is None else environ
     run_it = launcher_command(tensor_parallel, command)
@@ -2717,17 +2735,6 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     if info.local_rank >= info.local_world_size:
         raise LabError(f"the launcher's LOCAL_RANK {info.local_rank} is not below its LOCAL_WORLD_SIZE "
                        f"{info.local_world_size}")
-    torch = import_torch()
-    try:
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as exc:  # a broken driver reads as no device, with its reason
-        raise LabError(f"no CUDA device is usable by torch ({safe_reason(exc)})") from None
-    if visible == 0:
-        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
-                       "per rank and never falls back to the CPU")
-    if info.local_world_size > visible:
-        raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
-                       "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")
     return info
 
 

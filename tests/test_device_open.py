@@ -8,6 +8,7 @@ import pytest
 
 from conftest import command_module, run_main_in_process
 from lab_helpers.real import commands as real_commands
+from lab_helpers.real import early_commands
 
 torch = pytest.importorskip("torch")
 
@@ -45,6 +46,7 @@ def context_fails(monkeypatch):
         monkeypatch.setattr(torch.cuda, "set_device", set_device)
         monkeypatch.setattr(torch.cuda, "init", lambda: calls.append(("init",)))
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: calls.append(("bf16",)) or True)
+        monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # the device files, as on a GPU machine
         return calls
     return failing
 

@@ -88,9 +88,9 @@ CASES = [
                                      "--context", "16", "--output", "m.json"], [],
      "measure runs on a CUDA or ROCm GPU"),
     ("fit without a budget or a gpu", ["fit", "--config", "llama-3.1-8b", *SMALL_RUN], [],
-     "fit measures the usable memory of cuda:0, and this machine has no CUDA or ROCm device"),
+     "no GPU visible as cuda:0 (this machine has no CUDA or ROCm device"),
     ("predict --device without a gpu", ["predict", "--config", "llama-3.1-8b", *SMALL_RUN, "--device", "cuda:0"], [],
-     "--device cuda:0 measures that GPU's usable memory, and this machine has no CUDA or ROCm device"),
+     "no GPU visible as cuda:0 (this machine has no CUDA or ROCm device"),
     ("peft missing", ["fit", "--card", "--task", "train", "--train", "lora", "--lora-rank", "16", "--config",
                       "llama-3.1-8b", "--batch", "1", "--context", "2048", "--days", "7"], ["peft"],
      "--train lora needs peft 0.21.2, not installed in this Python"),
@@ -153,7 +153,7 @@ def test_help_imports_neither_torch_nor_transformers(tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_a_refusal_that_needs_no_model_imports_neither_torch_nor_transformers(tmp_path, case):
     _, argv, hidden, words = case
-    if "CUDA or ROCm" in words and os.path.exists("/dev/nvidia0"):
+    if "CUDA or ROCm device" in words and os.path.exists("/dev/nvidia0"):
         pytest.skip("this machine has a GPU: the refusal of a machine without one cannot happen here")
     argv = [arg(tmp_path) if callable(arg) else arg for arg in argv]
     report, out, err = run_child(argv, hidden, tmp_path)

@@ -345,8 +345,7 @@ def test_fit_with_no_budget_and_no_gpu_names_the_flags(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     proc = run_program(["fit", "--config", "llama-3.1-8b", "--batch", "1", "--new-tokens", "2"], cwd, in_process=True)
-    assert_one_line_refusal(proc, cwd, "fit measures the usable memory of cuda:0, and this machine has no CUDA or "
-                                       "ROCm device", [])
+    assert_one_line_refusal(proc, cwd, "no GPU visible as cuda:0 (this machine has no CUDA or ROCm device", [])
     assert "give --gpu or --memory-bytes" in proc.stderr and "_cuda" not in proc.stderr
 
 

@@ -196,7 +196,10 @@ def test_no_process_group_is_left_behind_and_an_existing_one_is_refused():
     ({"tie_word_embeddings": True}, 2, "tie_word_embeddings"),
 ])
 def test_a_degree_the_plan_cannot_split_by_is_one_line_exit_2(tmp_path, capsys, monkeypatch, changes, degree, key):
-    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # measure's refusal, as on a GPU machine
+    # measure's refusal as under torchrun on a GPU machine: the degree is refused before any GPU is touched
+    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)
+    for name, value in (("RANK", 0), ("WORLD_SIZE", degree), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", degree)):
+        monkeypatch.setenv(name, str(value))
     path = tiny_file(tmp_path, **changes)
     for command in (["predict", "--batch", 1, "--context", 8], ["fit", "--batch", 1, "--memory-bytes", 2**30],
                     ["measure", "--batch", 1, "--context", 8, "--output", tmp_path / "m.json"]):
@@ -293,7 +296,6 @@ def test_measure_at_tp2_refuses_device_and_timeline(tmp_path, capsys):
 
 
 def test_measure_at_tp2_without_torchrun_says_the_command(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(early_commands, "no_gpu_reason", lambda: None)  # as on a GPU machine
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     code, out, err = run_main(capsys, "measure", "--config", "llama-3.1-8b", "--batch", 1, "--context", 8,

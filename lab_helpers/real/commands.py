@@ -24,7 +24,7 @@ from lab_helpers.core.cli import Command, Program, error_line, program_parser, q
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, display_path, write_new_json
 from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
-from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, wait_for_every_rank
+from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, launcher_place, wait_for_every_rank
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
@@ -32,7 +32,7 @@ from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
 from lab_helpers.real.card_fit import check_card_flags, cheapest_forfaits, read_card
 from lab_helpers.real.config import bundled_names, check_tensor_parallel
 from lab_helpers.real.early_commands import (check_positions, check_quantize_flags, checked_config, model_shape,
-                                             refuse_without_gpu)
+                                             refuse_budget_without_gpu, refuse_without_gpu)
 from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
 from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
@@ -209,8 +209,7 @@ def handle_predict(args) -> int:
     # the rate card's budget, and whether a GPU can be measured, before the config is read
     card_budget = gpu_budget(args.gpu, tensor_parallel=args.tensor_parallel) if args.gpu else None
     if args.device is not None:
-        refuse_without_gpu(f"--device {args.device} measures that GPU's usable memory",
-                           "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+        refuse_budget_without_gpu(args.device)
     raw_config = checked_config(args)
     spec = RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch, context=args.context,
                    new_tokens=args.new_tokens, decode_record_every=args.decode_record_every,
@@ -283,8 +282,7 @@ def handle_fit(args) -> int:
     card = read_card(args.tariffs) if args.card else None
     entry = gpu_budget_entry(args.gpu, tensor_parallel=degree) if args.gpu else None
     if not args.card and args.gpu is None and args.memory_bytes is None:
-        refuse_without_gpu(f"with neither --gpu nor --memory-bytes, fit measures the usable memory of "
-                           f"{args.device or 'cuda:0'}", "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+        refuse_budget_without_gpu(args.device or "cuda:0")
     raw_config = checked_config(args)
     # the sizes given, checked as the search's runs are (MAX_TOKENS), and the positions they reach
     RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch or 1, context=args.context or 1,
@@ -344,6 +342,9 @@ def measure_command_result(args) -> "dict | None":
                    new_tokens=args.new_tokens, decode_record_every=args.decode_record_every, tensor_parallel=degree,
                    device=args.device or "cuda:0", seed=args.seed)
     note = check_positions(raw_config.max_positions, args)
+    command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
+    if degree > 1:
+        launcher_place(degree, command)  # started by torchrun at this degree, before torch is imported
     refuse_without_gpu("measure runs on a CUDA or ROCm GPU, never on the CPU",
                        "`real_model predict` with the same run's flags predicts it with no GPU")
     shape = model_shape(raw_config, quantization=args.quantize)
@@ -351,7 +352,6 @@ def measure_command_result(args) -> "dict | None":
     if args.allocator_conf is not None:
         put_in_force(settings)  # before torch starts CUDA; the file's environment block records it
     if degree > 1:
-        command = ["-m", "lab_helpers.real_model", *args.command_argv]  # how to launch it, if no launcher did
         document = measure_model_parallel(shape, spec, command, output)
         if document is None:
             return None

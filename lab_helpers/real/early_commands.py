@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from lab_helpers.core.devices import no_gpu_reason
 from lab_helpers.core.errors import LabError
+from lab_helpers.core.numbers import parse_device
 from lab_helpers.core.packages import require
 from lab_helpers.real.config import shape_of
 from lab_helpers.real.raw_config import precheck_config
@@ -40,6 +41,15 @@ def refuse_without_gpu(what: str, instead: str) -> None:
     reason = no_gpu_reason()
     if reason is not None:
         raise LabError(f"{what}, and {reason}; {instead}")
+
+
+def refuse_budget_without_gpu(device: str) -> None:
+    """A budget measured on `device` (an explicit cuda:N) is refused at once where no GPU can be."""
+    parse_device(device)
+    reason = no_gpu_reason()
+    if reason is not None:
+        raise LabError(f"no GPU visible as {device} ({reason}): give --gpu or --memory-bytes (a rate card GPU model, "
+                       f"or the budget in bytes)")
 
 
 def checked_config(args):

@@ -9,7 +9,8 @@ from lab_helpers.core.numbers import whole_number
 from lab_helpers.core.tables import LINE_WIDTH, format_bytes, phase_label, text_table, wrapped
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
-from lab_helpers.real.early_commands import checked_config, check_packages, model_shape, refuse_without_gpu
+from lab_helpers.real.early_commands import (checked_config, check_packages, model_shape, refuse_budget_without_gpu,
+                                             refuse_without_gpu)
 from lab_helpers.real.fit import gpu_budget, usable_memory_bytes
 from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
                                     compare_training_model, measure_training_model, predict_training_model)
@@ -138,8 +139,7 @@ def fit_train_command(args) -> int:
     card_budget = gpu_budget(args.gpu) if args.gpu else None
     device = args.device or "cuda:0"
     if card_budget is None and not args.memory_bytes:
-        refuse_without_gpu(f"with neither --gpu nor --memory-bytes, fit measures the usable memory of {device}",
-                           "give --gpu or --memory-bytes (a rate card GPU model, or the budget in bytes)")
+        refuse_budget_without_gpu(device)
     shape = model_shape(checked_config(args))
     spec = train_spec_from_args(args, shape.name, sizes=sizes)
     check_lora_targets(shape, spec)
