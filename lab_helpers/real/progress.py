@@ -21,7 +21,8 @@ def progress_bar(total=None, desc: str = "", unit: str = "step", iterable=None):
     progress_shown(stderr)."""
     from tqdm import tqdm  # the plain bar, never tqdm.auto's notebook one
     stream = sys.stderr
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, disable=not progress_shown(stream),
+    # tqdm writes the count and the rate right against the unit ("12prediction"): a space between
+    return tqdm(iterable, total=total, desc=desc, unit=f" {unit}", file=stream, disable=not progress_shown(stream),
                 delay=PROGRESS_DELAY_SECONDS, leave=False, dynamic_ncols=True)
 
 
