@@ -452,6 +452,19 @@ class LabError(Exception):
     """A bad input or precondition: one line, exit code 2."""
 
 
+class ParameterError(LabError):
+    """One parameter's value is refused: the message names the parameter as the caller gave it
+    ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is."""
+
+    def __init__(self, parameter: str, problem: str):
+        super().__init__(f"{parameter} {problem}")
+        self.parameter = parameter
+        self.problem = problem
+
+    def __reduce__(self):
+        return type(self), (self.parameter, self.problem)
+
+
 EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
 
@@ -2105,6 +2118,14 @@ def run(program: Program, argv=None) -> int:
         return EXIT_USAGE
 
 
+def usage_message(exc: LabError, args) -> str:
+    """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
+    named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
+    if isinstance(exc, ParameterError) and exc.parameter.isidentifier() and hasattr(args, exc.parameter):
+        return f"--{exc.parameter.replace('_', '-')} {exc.problem}"
+    return str(exc)
+
+
 def run_parsed(program: Program, argv=None) -> int:
     if program.on_start is not None:
         program.on_start()
@@ -2121,7 +2142,7 @@ def run_parsed(program: Program, argv=None) -> int:
             program.on_usage_error()
         # one line whatever the message quotes: a path holding a newline or an escape sequence
         # is spelled out (\n, \x1b), never written raw to the terminal
-        error_line(f"{program.prog}: error: {printable(exc)}")
+        error_line(f"{program.prog}: error: {printable(usage_message(exc, args))}")
         return EXIT_USAGE
 
 

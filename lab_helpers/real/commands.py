@@ -29,10 +29,11 @@ from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
-from lab_helpers.real.card_fit import check_card_flags, cheapest_forfaits, read_card
+from lab_helpers.real.card_fit import cheapest_forfaits, read_card
 from lab_helpers.real.config import bundled_names, check_tensor_parallel
-from lab_helpers.real.early_commands import (check_positions, check_quantize_flags, checked_config, model_shape,
-                                             refuse_budget_without_gpu, refuse_without_gpu)
+from lab_helpers.real.early_commands import (check_card_flags, check_positions, check_quantize_flags, checked_config,
+                                             model_shape, refuse_budget_without_gpu, refuse_card_allocator,
+                                             refuse_without_gpu)
 from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
 from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
@@ -272,9 +273,8 @@ def handle_fit(args) -> int:
     refuse_model_train_flags(args)
     check_card_flags(args)  # before the config is read
     settings = allocator_settings(args.allocator_conf)
-    if args.card and settings.expandable_segments:
-        raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
-                       "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
+    if args.card:
+        refuse_card_allocator(settings)
     check_quantize_flags(args)
     degree = args.tensor_parallel
     # the rate card (or the one GPU model asked of it), and whether a GPU can be measured, before the
