@@ -3077,38 +3077,23 @@ def environment_table(result: dict) -> str:
     return "\n".join([*lines, "visible GPUs:", text_table(("device", "name", "total", "free", "usable"), rows)])
 
 
-# ---- from lab_helpers/measurement/recording.py: The --timeline flags of every measuring command, and what they write.
-def add_timeline_flags(parser) -> None:
-    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
-    parser.add_argument("--timeline", metavar="FILE",
-                        help="record the allocator's history and write the compact timeline (every allocation "
-                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
-                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
-                             "with .json replaced by .oom.json instead (read it with: python -m "
-                             "lab_helpers.timeline explain)")
-    parser.add_argument("--timeline-stacks", action="store_true",
-                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
-                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
-    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
-                        default=DEFAULT_MAX_ENTRIES,
-                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
-
-
-def timeline_recorder(args, outputs: dict) -> "HistoryRecorder | None":
-    """The HistoryRecorder that parsed timeline flags ask for, or None; checks before any work that
-    the timeline and its .oom.json can be created and differ from `outputs` {flag: path or None},
-    already checked by the caller."""
-    if args.timeline is None:
-        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
-            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+# ---- from lab_helpers/measurement/recording.py: The allocator's timeline of a measuring run: its recorder, and what it writes (the --timeline flags:
+def timeline_recorder(timeline=None, stacks: bool = False, max_entries: int = DEFAULT_MAX_ENTRIES,
+                      outputs=()) -> "HistoryRecorder | None":
+    """The HistoryRecorder of a run whose timeline goes to the new file `timeline` (None: no timeline,
+    and then neither `stacks` nor a `max_entries` of its own), keeping `max_entries` events, with the
+    stacks of each allocation if `stacks`; checks before any work that the timeline and its .oom.json
+    can be created and differ from the run's other `outputs` (paths or None, already checked)."""
+    if timeline is None:
+        if stacks or max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("stacks and max_entries need a timeline file")
         return None
-    check_new_output(args.timeline)
-    check_new_output(oom_snapshot_path(args.timeline))
-    paths = [os.path.abspath(p) for p in (*outputs.values(), args.timeline, oom_snapshot_path(args.timeline))
-             if p is not None]
+    check_new_output(timeline)
+    check_new_output(oom_snapshot_path(timeline))
+    paths = [os.path.abspath(p) for p in (*outputs, timeline, oom_snapshot_path(timeline)) if p is not None]
     if len(set(paths)) != len(paths):
-        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files")
-    return HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+        raise ParameterError("timeline", "and its .oom.json must be different files from the run's other outputs")
+    return HistoryRecorder(max_entries, stacks)
 
 
 def write_timeline(path, history: "HistoryRecorder") -> dict:
@@ -3134,6 +3119,38 @@ def save_oom_snapshot(timeline_path, error: PhaseError) -> str:
     except LabError as write_error:
         return f"; out-of-memory snapshot not written: {write_error}"
     return f"; out-of-memory snapshot: {display_path(path)}"
+
+
+# ---- from lab_helpers/measurement/timeline_commands.py: The --timeline flags of every measuring command, and the recorder they ask for.
+def add_timeline_flags(parser) -> None:
+    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="record the allocator's history and write the compact timeline (every allocation "
+                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
+                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
+                             "with .json replaced by .oom.json instead (read it with: python -m "
+                             "lab_helpers.timeline explain)")
+    parser.add_argument("--timeline-stacks", action="store_true",
+                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
+                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
+    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
+                        default=DEFAULT_MAX_ENTRIES,
+                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
+
+
+def timeline_recorder_of(args, outputs: dict):
+    """The HistoryRecorder the parsed timeline flags ask for, or None (measurement.recording's
+    timeline_recorder); `outputs` {flag: path or None} are the run's other files, already checked."""
+    if args.timeline is None:
+        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+        return None
+    try:
+        return timeline_recorder(args.timeline, args.timeline_stacks, args.timeline_max_entries, outputs.values())
+    except ParameterError as exc:
+        if exc.parameter != "timeline":
+            raise
+        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files") from None
 
 
 # ---- from lab_helpers/synthetic/estimate.py: Weight bytes from a parameter count and a bit width (no GPU, no torch).
@@ -5044,7 +5061,7 @@ def handle_measure(args) -> int:
 def measure_one_gpu(args, config: MeasureConfig) -> dict:
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    history = timeline_recorder(args, {"--output": args.output, "--failure-report": args.failure_report})
+    history = timeline_recorder_of(args, {"--output": args.output, "--failure-report": args.failure_report})
     document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
     result = {"output": display_path(args.output), "phases": len(document["phases"])}

@@ -27,7 +27,8 @@ from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
 from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, launcher_place, wait_for_every_rank
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
-from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
+from lab_helpers.measurement.recording import save_oom_snapshot, write_timeline
+from lab_helpers.measurement.timeline_commands import add_timeline_flags, timeline_recorder_of
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
 from lab_helpers.real.card_fit import cheapest_forfaits, read_card
 from lab_helpers.real.config import bundled_names, check_tensor_parallel
@@ -336,7 +337,7 @@ def measure_command_result(args) -> "dict | None":
     history = None
     if degree == 1:
         check_new_output(output)  # before the model is built, not after minutes of work
-        history = timeline_recorder(args, {"--output": args.output})
+        history = timeline_recorder_of(args, {"--output": args.output})
     raw_config = checked_config(args)
     spec = RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch, context=args.context,
                    new_tokens=args.new_tokens, decode_record_every=args.decode_record_every, tensor_parallel=degree,
