@@ -454,15 +454,35 @@ class LabError(Exception):
 
 class ParameterError(LabError):
     """One parameter's value is refused: the message names the parameter as the caller gave it
-    ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is."""
+    ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is
+    (lab_helpers.core.cli). The other parameters a problem names are written {name} in it and listed
+    in `others`: a caller reads the name, the command line the flag."""
 
-    def __init__(self, parameter: str, problem: str):
-        super().__init__(f"{parameter} {problem}")
-        self.parameter = parameter
-        self.problem = problem
+    def __init__(self, parameter: str, problem: str, others: tuple = ()):
+        self.parameter, self.others, self.template = parameter, tuple(others), problem
+        self.problem = self.worded(lambda name: name)
+        super().__init__(f"{parameter}{self._gap()}{self.problem}")
+
+    def worded(self, name_of) -> str:
+        """The problem with each of `others` written as `name_of(name)`."""
+        text = self.template
+        for other in self.others:
+            text = text.replace("{" + other + "}", name_of(other))
+        return text
+
+    def flagged(self, is_flag) -> str:
+        """The message as the command line words it: each parameter for which `is_flag(name)` holds
+        written as its flag (new_tokens -> --new-tokens)."""
+        def named(name):
+            return f"--{name.replace('_', '-')}" if name.isidentifier() and is_flag(name) else name
+        return f"{named(self.parameter)}{self._gap()}{self.worded(named)}"
+
+    def _gap(self) -> str:
+        """A problem that starts with ':' follows the name at once ("predict_fit: the budget is 0")."""
+        return "" if self.template.startswith(":") else " "
 
     def __reduce__(self):
-        return type(self), (self.parameter, self.problem)
+        return type(self), (self.parameter, self.template, self.others)
 
 
 EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
@@ -937,7 +957,8 @@ def _below_minimum(minimum, shown: str) -> str:
 
 def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
     """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
-    within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
+    within [minimum, maximum]; raise LabError naming `name` otherwise (a ParameterError where `name` is
+    a parameter's identifier, such as "batch": the command line names its flag). The digit count is checked
     before conversion, so a huge string is refused at once."""
     return _checked(_whole_problem, text, name, minimum, maximum)
 
@@ -950,7 +971,7 @@ def whole_number(minimum=None, maximum=None):
 def _checked(problem_of, text, name, minimum, maximum):
     value, problem = problem_of(text, minimum, maximum)
     if problem:
-        raise LabError(f"{name} {problem}")
+        raise ParameterError(name, problem) if name.isidentifier() else LabError(f"{name} {problem}")
     return value
 
 
@@ -996,11 +1017,11 @@ MAX_DEVICE_DIGITS = 6
 
 
 def parse_device(device: str) -> int:
-    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise LabError."""
+    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise ParameterError."""
     match = re.fullmatch(r"cuda:([0-9]{1,%d})" % MAX_DEVICE_DIGITS, device) if isinstance(device, str) else None
     if not match:
         shown = repr(device[:40]) if isinstance(device, str) else type(device).__name__
-        raise LabError(f"--device must be an explicit cuda:N (e.g. cuda:0), got {shown}")
+        raise ParameterError("device", f"must be an explicit cuda:N (e.g. cuda:0), got {shown}")
     return int(match.group(1))
 
 
@@ -1404,7 +1425,7 @@ class HistoryRecorder:
     an out-of-memory PhaseError, the error's ``oom_snapshot`` holds the snapshot at the failure."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = False):
-        self.max_entries = parse_whole(max_entries, "--timeline-max-entries", 1, MAX_HISTORY_ENTRIES)
+        self.max_entries = parse_whole(max_entries, "max_entries", 1, MAX_HISTORY_ENTRIES)
         if not isinstance(stacks, bool):
             raise LabError("stacks must be True or False")
         self.stacks = stacks
@@ -2121,9 +2142,9 @@ def run(program: Program, argv=None) -> int:
 def usage_message(exc: LabError, args) -> str:
     """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
     named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
-    if isinstance(exc, ParameterError) and exc.parameter.isidentifier() and hasattr(args, exc.parameter):
-        return f"--{exc.parameter.replace('_', '-')} {exc.problem}"
-    return str(exc)
+    if not isinstance(exc, ParameterError):
+        return str(exc)
+    return exc.flagged(lambda name: hasattr(args, name))
 
 
 def run_parsed(program: Program, argv=None) -> int:
@@ -2731,13 +2752,13 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
 def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     """launch_info's checks of the launcher's environment alone, with no torch: a command refuses a
     run started without torchrun, or at another degree, before it imports anything heavy."""
-    parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+    parse_whole(tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
     env = launcher_environment() if environ is None else environ
     run_it = launcher_command(tensor_parallel, command)
     present = [name for name in LAUNCHER_VARIABLES if name in env]
     if not present:
-        raise LabError(f"--tensor-parallel {tensor_parallel} runs one process per GPU, started by torchrun; "
-                       f"run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} runs one process per GPU, started by torchrun; "
+                                                f"run: {run_it}")
     values = {}
     for name in LAUNCHER_VARIABLES:
         if name not in env:
@@ -2746,8 +2767,9 @@ def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
         values[name] = parse_whole(env[name], f"the launcher's {name}", 0, MAX_LAUNCHER_NUMBER)
     info = LaunchInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
     if info.world_size != tensor_parallel:
-        raise LabError(f"--tensor-parallel {tensor_parallel} disagrees with the launcher's world size "
-                       f"{info.world_size} (WORLD_SIZE): the degree is the number of ranks; run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} disagrees with the launcher's world size "
+                                                f"{info.world_size} (WORLD_SIZE): the degree is the number of "
+                                                f"ranks; run: {run_it}")
     if info.rank >= info.world_size:
         raise LabError(f"the launcher's RANK {info.rank} is not below its WORLD_SIZE {info.world_size}")
     if not 1 <= info.local_world_size <= info.world_size:
@@ -3168,11 +3190,11 @@ MAX_RESERVE_GIB = 2**20  # one PiB, far above any device
 
 def estimate(parameters: int, bits: int, reserve_gib: float = 0.0) -> dict:
     """Return the weight bytes of `parameters` at `bits` per parameter, plus a stated reserve."""
-    parse_whole(parameters, "--parameters", 1, MAX_PARAMETERS)
-    parse_whole(bits, "--bits", 1, MAX_BITS)
+    parse_whole(parameters, "parameters", 1, MAX_PARAMETERS)
+    parse_whole(bits, "bits", 1, MAX_BITS)
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) \
             or not math.isfinite(reserve_gib) or not 0 <= reserve_gib <= MAX_RESERVE_GIB:
-        raise LabError(f"--reserve-gib must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
+        raise ParameterError("reserve_gib", f"must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
     bytes_per_parameter = -(-bits // BITS_PER_BYTE)  # whole bytes, rounded up
     weight_bytes = parameters * bytes_per_parameter
     weight_gib = weight_bytes / GIB
@@ -3235,17 +3257,18 @@ class MeasureConfig:
             if name == "hidden" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise LabError(f"--{name} must be an integer, got {type(value).__name__}")
-            parse_whole(value, f"--{name}", low, high)
+                raise ParameterError(name, f"must be an integer, got {type(value).__name__}")
+            parse_whole(value, name, low, high)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             shown = repr(self.dtype[:40]) if isinstance(self.dtype, str) else type(self.dtype).__name__
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
+            raise ParameterError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
         object.__setattr__(self, "_device_index", parse_device(self.device))
         if self.tensor_parallel is not None:
-            parse_whole(self.tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+            parse_whole(self.tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
             if self.hidden_features % self.tensor_parallel:
-                raise LabError(f"--tensor-parallel {self.tensor_parallel} does not divide the hidden size "
-                               f"{self.hidden_features}: each rank holds hidden / N features of the first Linear")
+                raise ParameterError("tensor_parallel", f"{self.tensor_parallel} does not divide the hidden size "
+                                                        f"{self.hidden_features}: each rank holds hidden / N features "
+                                                        "of the first Linear")
         largest = max(self.batch * self.context * max(self.hidden_features, self.width),
                       self.hidden_features * self.width) * DTYPE_BYTES[self.dtype]
         if largest > MAX_TENSOR_BYTES:
@@ -3618,7 +3641,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     if problem:
         raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")
     settings = {k: v for k, v in measurement["configuration"].items() if k != "kind"}
-    config = MeasureConfig(**settings)
+    try:
+        config = MeasureConfig(**settings)
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:
@@ -3651,7 +3677,7 @@ def _check_workspace(workspace_bytes) -> None:
     if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
         raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
     for size in workspace_bytes:
-        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
+        parse_whole(size, "workspace_bytes", 0, MAX_WORKSPACE_BYTES)
 
 
 def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,
@@ -4375,14 +4401,15 @@ class TrainSettings:
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int):
-            raise LabError(f"--steps must be an integer, got {type(self.steps).__name__}")
-        parse_whole(self.steps, "--steps", 2, MAX_TRAIN_STEPS)
+            raise ParameterError("steps", f"must be an integer, got {type(self.steps).__name__}")
+        parse_whole(self.steps, "steps", 2, MAX_TRAIN_STEPS)
         if self.optimizer not in TRAIN_OPTIMIZERS:
-            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
+            raise ParameterError("optimizer", f"must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
         if not isinstance(self.fused, bool):
             raise LabError("fused must be true or false")
         if self.fused and self.optimizer != "adamw":
-            raise LabError("--fused is for --optimizer adamw only (SGD runs its default foreach implementation)")
+            raise ParameterError("fused", "is for {optimizer} adamw only (SGD runs its default foreach implementation)",
+                                 ("optimizer",))
 
     @property
     def implementation(self) -> str:
@@ -4629,8 +4656,11 @@ def compare_training(measurement: dict, workspace_bytes=None) -> dict:
         raise LabError(f"not a training measurement: {problem[0]}: {problem[1]}")
     configuration = measurement["configuration"]
     settings = settings_from_record(configuration)
-    config = MeasureConfig(**{k: v for k, v in configuration.items()
-                              if k in MeasureConfig.__dataclass_fields__})
+    try:
+        config = MeasureConfig(**{k: v for k, v in configuration.items()
+                                  if k in MeasureConfig.__dataclass_fields__})
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:

@@ -207,9 +207,9 @@ def run(program: Program, argv=None) -> int:
 def usage_message(exc: LabError, args) -> str:
     """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
     named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
-    if isinstance(exc, ParameterError) and exc.parameter.isidentifier() and hasattr(args, exc.parameter):
-        return f"--{exc.parameter.replace('_', '-')} {exc.problem}"
-    return str(exc)
+    if not isinstance(exc, ParameterError):
+        return str(exc)
+    return exc.flagged(lambda name: hasattr(args, name))
 
 
 def run_parsed(program: Program, argv=None) -> int:

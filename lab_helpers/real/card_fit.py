@@ -50,8 +50,8 @@ def degree_problem(shape: ModelShape, degree: int):
     """None when transformers' tensor-parallel plan can split the model `degree` ways, else why not."""
     try:
         check_tensor_parallel(shape, degree)
-    except ConfigError as exc:
-        return str(exc)
+    except ConfigError as exc:  # worded as fit --card's answer says it: the flag it leaves out
+        return exc.flagged(lambda name: name == "tensor_parallel") if isinstance(exc, ParameterError) else str(exc)
     return None
 
 
