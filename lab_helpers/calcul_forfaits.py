@@ -39,6 +39,39 @@ class LabError(Exception):
     """A bad input or precondition: one line, exit code 2."""
 
 
+class ParameterError(LabError):
+    """One parameter's value is refused: the message names the parameter as the caller gave it
+    ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is
+    (lab_helpers.core.cli). The other parameters a problem names are written {name} in it and listed
+    in `others`: a caller reads the name, the command line the flag."""
+
+    def __init__(self, parameter: str, problem: str, others: tuple = ()):
+        self.parameter, self.others, self.template = parameter, tuple(others), problem
+        self.problem = self.worded(lambda name: name)
+        super().__init__(f"{parameter}{self._gap()}{self.problem}")
+
+    def worded(self, name_of) -> str:
+        """The problem with each of `others` written as `name_of(name)`."""
+        text = self.template
+        for other in self.others:
+            text = text.replace("{" + other + "}", name_of(other))
+        return text
+
+    def flagged(self, is_flag) -> str:
+        """The message as the command line words it: each parameter for which `is_flag(name)` holds
+        written as its flag (new_tokens -> --new-tokens)."""
+        def named(name):
+            return f"--{name.replace('_', '-')}" if name.isidentifier() and is_flag(name) else name
+        return f"{named(self.parameter)}{self._gap()}{self.worded(named)}"
+
+    def _gap(self) -> str:
+        """A problem that starts with ':' follows the name at once ("predict_fit: the budget is 0")."""
+        return "" if self.template.startswith(":") else " "
+
+    def __reduce__(self):
+        return type(self), (self.parameter, self.template, self.others)
+
+
 EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
 
@@ -254,6 +287,14 @@ def run(program: Program, argv=None) -> int:
         return EXIT_USAGE
 
 
+def usage_message(exc: LabError, args) -> str:
+    """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
+    named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
+    if not isinstance(exc, ParameterError):
+        return str(exc)
+    return exc.flagged(lambda name: hasattr(args, name))
+
+
 def run_parsed(program: Program, argv=None) -> int:
     if program.on_start is not None:
         program.on_start()
@@ -270,7 +311,7 @@ def run_parsed(program: Program, argv=None) -> int:
             program.on_usage_error()
         # one line whatever the message quotes: a path holding a newline or an escape sequence
         # is spelled out (\n, \x1b), never written raw to the terminal
-        error_line(f"{program.prog}: error: {printable(exc)}")
+        error_line(f"{program.prog}: error: {printable(usage_message(exc, args))}")
         return EXIT_USAGE
 
 

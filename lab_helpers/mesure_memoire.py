@@ -452,6 +452,39 @@ class LabError(Exception):
     """A bad input or precondition: one line, exit code 2."""
 
 
+class ParameterError(LabError):
+    """One parameter's value is refused: the message names the parameter as the caller gave it
+    ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is
+    (lab_helpers.core.cli). The other parameters a problem names are written {name} in it and listed
+    in `others`: a caller reads the name, the command line the flag."""
+
+    def __init__(self, parameter: str, problem: str, others: tuple = ()):
+        self.parameter, self.others, self.template = parameter, tuple(others), problem
+        self.problem = self.worded(lambda name: name)
+        super().__init__(f"{parameter}{self._gap()}{self.problem}")
+
+    def worded(self, name_of) -> str:
+        """The problem with each of `others` written as `name_of(name)`."""
+        text = self.template
+        for other in self.others:
+            text = text.replace("{" + other + "}", name_of(other))
+        return text
+
+    def flagged(self, is_flag) -> str:
+        """The message as the command line words it: each parameter for which `is_flag(name)` holds
+        written as its flag (new_tokens -> --new-tokens)."""
+        def named(name):
+            return f"--{name.replace('_', '-')}" if name.isidentifier() and is_flag(name) else name
+        return f"{named(self.parameter)}{self._gap()}{self.worded(named)}"
+
+    def _gap(self) -> str:
+        """A problem that starts with ':' follows the name at once ("predict_fit: the budget is 0")."""
+        return "" if self.template.startswith(":") else " "
+
+    def __reduce__(self):
+        return type(self), (self.parameter, self.template, self.others)
+
+
 EXIT_FAILURE = 1  # the command ran but its check failed (e.g. compare --fail-on-difference)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer
 
@@ -924,7 +957,8 @@ def _below_minimum(minimum, shown: str) -> str:
 
 def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
     """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
-    within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
+    within [minimum, maximum]; raise LabError naming `name` otherwise (a ParameterError where `name` is
+    a parameter's identifier, such as "batch": the command line names its flag). The digit count is checked
     before conversion, so a huge string is refused at once."""
     return _checked(_whole_problem, text, name, minimum, maximum)
 
@@ -937,7 +971,7 @@ def whole_number(minimum=None, maximum=None):
 def _checked(problem_of, text, name, minimum, maximum):
     value, problem = problem_of(text, minimum, maximum)
     if problem:
-        raise LabError(f"{name} {problem}")
+        raise ParameterError(name, problem) if name.isidentifier() else LabError(f"{name} {problem}")
     return value
 
 
@@ -983,11 +1017,11 @@ MAX_DEVICE_DIGITS = 6
 
 
 def parse_device(device: str) -> int:
-    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise LabError."""
+    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise ParameterError."""
     match = re.fullmatch(r"cuda:([0-9]{1,%d})" % MAX_DEVICE_DIGITS, device) if isinstance(device, str) else None
     if not match:
         shown = repr(device[:40]) if isinstance(device, str) else type(device).__name__
-        raise LabError(f"--device must be an explicit cuda:N (e.g. cuda:0), got {shown}")
+        raise ParameterError("device", f"must be an explicit cuda:N (e.g. cuda:0), got {shown}")
     return int(match.group(1))
 
 
@@ -1391,7 +1425,7 @@ class HistoryRecorder:
     an out-of-memory PhaseError, the error's ``oom_snapshot`` holds the snapshot at the failure."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = False):
-        self.max_entries = parse_whole(max_entries, "--timeline-max-entries", 1, MAX_HISTORY_ENTRIES)
+        self.max_entries = parse_whole(max_entries, "max_entries", 1, MAX_HISTORY_ENTRIES)
         if not isinstance(stacks, bool):
             raise LabError("stacks must be True or False")
         self.stacks = stacks
@@ -2105,6 +2139,14 @@ def run(program: Program, argv=None) -> int:
         return EXIT_USAGE
 
 
+def usage_message(exc: LabError, args) -> str:
+    """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
+    named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
+    if not isinstance(exc, ParameterError):
+        return str(exc)
+    return exc.flagged(lambda name: hasattr(args, name))
+
+
 def run_parsed(program: Program, argv=None) -> int:
     if program.on_start is not None:
         program.on_start()
@@ -2121,7 +2163,7 @@ def run_parsed(program: Program, argv=None) -> int:
             program.on_usage_error()
         # one line whatever the message quotes: a path holding a newline or an escape sequence
         # is spelled out (\n, \x1b), never written raw to the terminal
-        error_line(f"{program.prog}: error: {printable(exc)}")
+        error_line(f"{program.prog}: error: {printable(usage_message(exc, args))}")
         return EXIT_USAGE
 
 
@@ -2710,13 +2752,13 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
 def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     """launch_info's checks of the launcher's environment alone, with no torch: a command refuses a
     run started without torchrun, or at another degree, before it imports anything heavy."""
-    parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+    parse_whole(tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
     env = launcher_environment() if environ is None else environ
     run_it = launcher_command(tensor_parallel, command)
     present = [name for name in LAUNCHER_VARIABLES if name in env]
     if not present:
-        raise LabError(f"--tensor-parallel {tensor_parallel} runs one process per GPU, started by torchrun; "
-                       f"run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} runs one process per GPU, started by torchrun; "
+                                                f"run: {run_it}")
     values = {}
     for name in LAUNCHER_VARIABLES:
         if name not in env:
@@ -2725,8 +2767,9 @@ def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
         values[name] = parse_whole(env[name], f"the launcher's {name}", 0, MAX_LAUNCHER_NUMBER)
     info = LaunchInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
     if info.world_size != tensor_parallel:
-        raise LabError(f"--tensor-parallel {tensor_parallel} disagrees with the launcher's world size "
-                       f"{info.world_size} (WORLD_SIZE): the degree is the number of ranks; run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} disagrees with the launcher's world size "
+                                                f"{info.world_size} (WORLD_SIZE): the degree is the number of "
+                                                f"ranks; run: {run_it}")
     if info.rank >= info.world_size:
         raise LabError(f"the launcher's RANK {info.rank} is not below its WORLD_SIZE {info.world_size}")
     if not 1 <= info.local_world_size <= info.world_size:
@@ -3056,38 +3099,23 @@ def environment_table(result: dict) -> str:
     return "\n".join([*lines, "visible GPUs:", text_table(("device", "name", "total", "free", "usable"), rows)])
 
 
-# ---- from lab_helpers/measurement/recording.py: The --timeline flags of every measuring command, and what they write.
-def add_timeline_flags(parser) -> None:
-    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
-    parser.add_argument("--timeline", metavar="FILE",
-                        help="record the allocator's history and write the compact timeline (every allocation "
-                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
-                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
-                             "with .json replaced by .oom.json instead (read it with: python -m "
-                             "lab_helpers.timeline explain)")
-    parser.add_argument("--timeline-stacks", action="store_true",
-                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
-                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
-    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
-                        default=DEFAULT_MAX_ENTRIES,
-                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
-
-
-def timeline_recorder(args, outputs: dict) -> "HistoryRecorder | None":
-    """The HistoryRecorder that parsed timeline flags ask for, or None; checks before any work that
-    the timeline and its .oom.json can be created and differ from `outputs` {flag: path or None},
-    already checked by the caller."""
-    if args.timeline is None:
-        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
-            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+# ---- from lab_helpers/measurement/recording.py: The allocator's timeline of a measuring run: its recorder, and what it writes (the --timeline flags:
+def timeline_recorder(timeline=None, stacks: bool = False, max_entries: int = DEFAULT_MAX_ENTRIES,
+                      outputs=()) -> "HistoryRecorder | None":
+    """The HistoryRecorder of a run whose timeline goes to the new file `timeline` (None: no timeline,
+    and then neither `stacks` nor a `max_entries` of its own), keeping `max_entries` events, with the
+    stacks of each allocation if `stacks`; checks before any work that the timeline and its .oom.json
+    can be created and differ from the run's other `outputs` (paths or None, already checked)."""
+    if timeline is None:
+        if stacks or max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("stacks and max_entries need a timeline file")
         return None
-    check_new_output(args.timeline)
-    check_new_output(oom_snapshot_path(args.timeline))
-    paths = [os.path.abspath(p) for p in (*outputs.values(), args.timeline, oom_snapshot_path(args.timeline))
-             if p is not None]
+    check_new_output(timeline)
+    check_new_output(oom_snapshot_path(timeline))
+    paths = [os.path.abspath(p) for p in (*outputs, timeline, oom_snapshot_path(timeline)) if p is not None]
     if len(set(paths)) != len(paths):
-        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files")
-    return HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+        raise ParameterError("timeline", "and its .oom.json must be different files from the run's other outputs")
+    return HistoryRecorder(max_entries, stacks)
 
 
 def write_timeline(path, history: "HistoryRecorder") -> dict:
@@ -3115,6 +3143,38 @@ def save_oom_snapshot(timeline_path, error: PhaseError) -> str:
     return f"; out-of-memory snapshot: {display_path(path)}"
 
 
+# ---- from lab_helpers/measurement/timeline_commands.py: The --timeline flags of every measuring command, and the recorder they ask for.
+def add_timeline_flags(parser) -> None:
+    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="record the allocator's history and write the compact timeline (every allocation "
+                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
+                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
+                             "with .json replaced by .oom.json instead (read it with: python -m "
+                             "lab_helpers.timeline explain)")
+    parser.add_argument("--timeline-stacks", action="store_true",
+                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
+                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
+    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
+                        default=DEFAULT_MAX_ENTRIES,
+                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
+
+
+def timeline_recorder_of(args, outputs: dict):
+    """The HistoryRecorder the parsed timeline flags ask for, or None (measurement.recording's
+    timeline_recorder); `outputs` {flag: path or None} are the run's other files, already checked."""
+    if args.timeline is None:
+        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+        return None
+    try:
+        return timeline_recorder(args.timeline, args.timeline_stacks, args.timeline_max_entries, outputs.values())
+    except ParameterError as exc:
+        if exc.parameter != "timeline":
+            raise
+        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files") from None
+
+
 # ---- from lab_helpers/synthetic/estimate.py: Weight bytes from a parameter count and a bit width (no GPU, no torch).
 ESTIMATE_EXCLUDES = (
     "activations", "KV cache", "quantization metadata (scales, zero points)",
@@ -3130,11 +3190,11 @@ MAX_RESERVE_GIB = 2**20  # one PiB, far above any device
 
 def estimate(parameters: int, bits: int, reserve_gib: float = 0.0) -> dict:
     """Return the weight bytes of `parameters` at `bits` per parameter, plus a stated reserve."""
-    parse_whole(parameters, "--parameters", 1, MAX_PARAMETERS)
-    parse_whole(bits, "--bits", 1, MAX_BITS)
+    parse_whole(parameters, "parameters", 1, MAX_PARAMETERS)
+    parse_whole(bits, "bits", 1, MAX_BITS)
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) \
             or not math.isfinite(reserve_gib) or not 0 <= reserve_gib <= MAX_RESERVE_GIB:
-        raise LabError(f"--reserve-gib must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
+        raise ParameterError("reserve_gib", f"must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
     bytes_per_parameter = -(-bits // BITS_PER_BYTE)  # whole bytes, rounded up
     weight_bytes = parameters * bytes_per_parameter
     weight_gib = weight_bytes / GIB
@@ -3197,17 +3257,18 @@ class MeasureConfig:
             if name == "hidden" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise LabError(f"--{name} must be an integer, got {type(value).__name__}")
-            parse_whole(value, f"--{name}", low, high)
+                raise ParameterError(name, f"must be an integer, got {type(value).__name__}")
+            parse_whole(value, name, low, high)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             shown = repr(self.dtype[:40]) if isinstance(self.dtype, str) else type(self.dtype).__name__
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
+            raise ParameterError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
         object.__setattr__(self, "_device_index", parse_device(self.device))
         if self.tensor_parallel is not None:
-            parse_whole(self.tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+            parse_whole(self.tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
             if self.hidden_features % self.tensor_parallel:
-                raise LabError(f"--tensor-parallel {self.tensor_parallel} does not divide the hidden size "
-                               f"{self.hidden_features}: each rank holds hidden / N features of the first Linear")
+                raise ParameterError("tensor_parallel", f"{self.tensor_parallel} does not divide the hidden size "
+                                                        f"{self.hidden_features}: each rank holds hidden / N features "
+                                                        "of the first Linear")
         largest = max(self.batch * self.context * max(self.hidden_features, self.width),
                       self.hidden_features * self.width) * DTYPE_BYTES[self.dtype]
         if largest > MAX_TENSOR_BYTES:
@@ -3580,7 +3641,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     if problem:
         raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")
     settings = {k: v for k, v in measurement["configuration"].items() if k != "kind"}
-    config = MeasureConfig(**settings)
+    try:
+        config = MeasureConfig(**settings)
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:
@@ -3613,7 +3677,7 @@ def _check_workspace(workspace_bytes) -> None:
     if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
         raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
     for size in workspace_bytes:
-        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
+        parse_whole(size, "workspace_bytes", 0, MAX_WORKSPACE_BYTES)
 
 
 def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,
@@ -4337,14 +4401,15 @@ class TrainSettings:
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int):
-            raise LabError(f"--steps must be an integer, got {type(self.steps).__name__}")
-        parse_whole(self.steps, "--steps", 2, MAX_TRAIN_STEPS)
+            raise ParameterError("steps", f"must be an integer, got {type(self.steps).__name__}")
+        parse_whole(self.steps, "steps", 2, MAX_TRAIN_STEPS)
         if self.optimizer not in TRAIN_OPTIMIZERS:
-            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
+            raise ParameterError("optimizer", f"must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
         if not isinstance(self.fused, bool):
             raise LabError("fused must be true or false")
         if self.fused and self.optimizer != "adamw":
-            raise LabError("--fused is for --optimizer adamw only (SGD runs its default foreach implementation)")
+            raise ParameterError("fused", "is for {optimizer} adamw only (SGD runs its default foreach implementation)",
+                                 ("optimizer",))
 
     @property
     def implementation(self) -> str:
@@ -4591,8 +4656,11 @@ def compare_training(measurement: dict, workspace_bytes=None) -> dict:
         raise LabError(f"not a training measurement: {problem[0]}: {problem[1]}")
     configuration = measurement["configuration"]
     settings = settings_from_record(configuration)
-    config = MeasureConfig(**{k: v for k, v in configuration.items()
-                              if k in MeasureConfig.__dataclass_fields__})
+    try:
+        config = MeasureConfig(**{k: v for k, v in configuration.items()
+                                  if k in MeasureConfig.__dataclass_fields__})
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:
@@ -5023,7 +5091,7 @@ def handle_measure(args) -> int:
 def measure_one_gpu(args, config: MeasureConfig) -> dict:
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    history = timeline_recorder(args, {"--output": args.output, "--failure-report": args.failure_report})
+    history = timeline_recorder_of(args, {"--output": args.output, "--failure-report": args.failure_report})
     document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
     result = {"output": display_path(args.output), "phases": len(document["phases"])}

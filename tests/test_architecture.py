@@ -273,3 +273,72 @@ def test_a_dropped_import_alone_in_its_block_leaves_pass(tmp_path):
     docstring, code = bundle.section_code("lab_helpers/a.py", tmp_path)
     assert docstring == "A."
     assert code == "def f():\n    pass\n\n\ndef h():\n    if True:\n        pass\n    return g()"
+
+
+# The command line's flags are read in the *commands.py modules only: a library function takes typed
+# values. Exempt: core/cli.py (the parser and dispatcher itself) and build/ (programs of their own whose
+# handle_* functions take their parsed namespace).
+NAMESPACE_READERS_EXEMPT = ("lab_helpers/core/cli.py", "lab_helpers/build/")
+
+
+def namespace_readers(path: str) -> list:
+    """The functions of `path` with a parameter `args` whose attributes they read (torch's
+    __torch_function__ takes a tuple `args` and reads none)."""
+    found = []
+    for node in ast.walk(tree_of(path)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+        if "args" in names and any(isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name)
+                                   and inner.value.id == "args" for inner in ast.walk(node)):
+            found.append(f"{path}:{node.lineno} {node.name}")
+    return found
+
+
+def test_only_the_commands_modules_take_an_argparse_namespace():
+    library = [path for path in MODULES if not path.endswith("commands.py")
+               and not path.startswith(NAMESPACE_READERS_EXEMPT)]
+    assert [reader for path in library for reader in namespace_readers(path)] == []
+
+
+def test_a_library_call_names_the_parameter_and_the_command_line_its_flag():
+    from lab_helpers.core.errors import ParameterError
+    from lab_helpers.real.card_fit import check_request
+    from lab_helpers.real.spec import RunSpec
+    with pytest.raises(ParameterError) as caught:
+        check_request(9, None)
+    assert str(caught.value) == "days must be one of 3, 7, 30, got 9"
+    assert (caught.value.parameter, caught.value.problem) == ("days", "must be one of 3, 7, 30, got 9")
+    with pytest.raises(ParameterError, match="^batch must be a whole number from 1 to 65536, got 0$"):
+        RunSpec("x", batch=0)
+    with pytest.raises(ParameterError, match="^new_tokens must be"):
+        RunSpec("x", new_tokens=0)
+
+
+def test_the_command_line_maps_a_parameter_to_its_flag():
+    import argparse
+
+    from lab_helpers.core.cli import usage_message
+    from lab_helpers.core.errors import LabError, ParameterError
+    flags = argparse.Namespace(new_tokens=0, optimizer="sgd", fused=True)
+    assert usage_message(ParameterError("new_tokens", "must be > 0, got 0"), flags) == "--new-tokens must be > 0, got 0"
+    assert usage_message(ParameterError("fused", "is for {optimizer} adamw only", ("optimizer",)), flags) == \
+        "--fused is for --optimizer adamw only"
+    # a parameter no flag of the command sets is named as raised, and so is any other refusal
+    assert usage_message(ParameterError("days", "must be one of 3, 7, 30, got 9"), flags) == \
+        "days must be one of 3, 7, 30, got 9"
+    assert usage_message(LabError("--days only go with --card"), flags) == "--days only go with --card"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fit", "--config", "qwen1.5-0.5b", "--gpu", "h200-sxm", "--batch", "1", "--new-tokens", "1", "--days", "7"],
+     "real_model: error: --days only go with --card"),
+    (["predict", "--task", "train", "--train", "lora", "--config", "qwen1.5-0.5b", "--batch", "1",
+      "--context", "8"], "real_model: error: --lora-rank must be a whole number from 1 to 65536 with --train lora, got None"),
+    (["predict", "--task", "train", "--optimizer", "sgd", "--fused", "--config", "qwen1.5-0.5b", "--batch", "1",
+      "--context", "8"], "real_model: error: --fused is for --optimizer adamw only"),
+])
+def test_the_command_line_still_names_the_flag(argv, message, capsys):
+    from lab_helpers.real.commands import main
+    assert main(argv) == 2
+    assert capsys.readouterr().err == message + "\n"

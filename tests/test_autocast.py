@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from autocast_cases import CASES, aten_calls  # noqa: E402
 from lab_helpers.core.tables import format_bytes  # noqa: E402
 from lab_helpers.real.autocast import MetaAutocast, installed, policy_of  # noqa: E402
-from lab_helpers.real.train_commands import train_fit_table  # noqa: E402
+from lab_helpers.real.train_tables import train_fit_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = json.loads((ROOT / "tests" / "h200_autocast_calls.json").read_text())
@@ -158,7 +158,7 @@ def test_a_training_prediction_under_autocast_holds_the_weight_copies_after_forw
     assert runs["bfloat16"]["configuration"]["autocast"] == "bfloat16"
     assert "autocast" not in runs[None]["configuration"]
     assert AUTOCAST_NOTE in runs["bfloat16"]["notes"]
-    from lab_helpers.real.train_commands import train_prediction_table
+    from lab_helpers.real.train_tables import train_prediction_table
     # the title wraps at 120 columns: read as one line of words
     assert "full fine-tuning, adamw (foreach), bfloat16 autocast" in " ".join(train_prediction_table(runs["bfloat16"]).split())
     assert "autocast" not in train_prediction_table(runs[None]).splitlines()[0]

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import ROOT, load_module
 from lab_helpers.pricing.card import load_card
-from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES, cheapest_forfaits, format_card_fit
+from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES, cheapest_forfaits
+from lab_helpers.real.card_tables import format_card_fit
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import load_config
 from lab_helpers.real.budget import MEASURED_NCCL_OUTSIDE
@@ -325,9 +326,9 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):
 
 
 def test_the_notebook_copy_gives_the_same_answer(tmp_path, monkeypatch):
-    # the forfaits notebook's generated cells, up to card_fit's, run as one module
+    # the forfaits notebook's generated cells, up to card_tables', run as one module
     from lab_helpers.build.sync import notebook_code_upto
-    code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/real/card_fit.py")
+    code = notebook_code_upto("notebooks/forfaits.ipynb", "lab_helpers/real/card_tables.py")
     path = tmp_path / "forfaits_cells.py"
     path.write_text(code, encoding="utf-8")
     monkeypatch.chdir(ROOT / "notebooks")  # where the kernel runs: the copy reads ../data/gpu-memory.json

@@ -387,17 +387,17 @@ def test_config_is_validated_once_and_the_device_parsed_once(mm, monkeypatch):
     assert calls == ["cuda:3"]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("batch", "2", "--batch must be an integer, got str"),
-    ("batch", True, "--batch must be an integer, got bool"),
-    ("batch", 2.0, "--batch must be an integer, got float"),
-    ("batch", 0, "--batch must be > 0, got 0"),
-    ("repeats", 10_001, "--repeats must be at most 10000, got 10001"),
-    ("warmup", -1, "--warmup must be >= 0, got -1"),
-    ("hidden", 2**22 + 1, "--hidden must be at most 4194304, got 4194305"),
-    ("dtype", "float64", "--dtype must be one of float32, float16, bfloat16, got 'float64'"),
-    ("device", "cuda:0 ", "--device must be an explicit cuda:N (e.g. cuda:0), got 'cuda:0 '"),
-    ("device", None, "--device must be an explicit cuda:N (e.g. cuda:0), got NoneType"),
+@pytest.mark.parametrize("field, value, message", [  # a library caller reads the field's name
+    ("batch", "2", "batch must be an integer, got str"),
+    ("batch", True, "batch must be an integer, got bool"),
+    ("batch", 2.0, "batch must be an integer, got float"),
+    ("batch", 0, "batch must be > 0, got 0"),
+    ("repeats", 10_001, "repeats must be at most 10000, got 10001"),
+    ("warmup", -1, "warmup must be >= 0, got -1"),
+    ("hidden", 2**22 + 1, "hidden must be at most 4194304, got 4194305"),
+    ("dtype", "float64", "dtype must be one of float32, float16, bfloat16, got 'float64'"),
+    ("device", "cuda:0 ", "device must be an explicit cuda:N (e.g. cuda:0), got 'cuda:0 '"),
+    ("device", None, "device must be an explicit cuda:N (e.g. cuda:0), got NoneType"),
 ])
 def test_config_refuses_bad_fields(mm, field, value, message):
     with pytest.raises(mm.LabError) as caught:

@@ -181,7 +181,7 @@ def test_a_measurement_names_its_quantization_and_compare_predicts_that_one():
     rows = compare_model(measurement)["rows"]
     assert len(rows) == 4 and all(row[f"difference_{key}"] == 0 for row in rows for key in COUNTER_KEYS)
     bad = {**measurement, "model": {**measurement["model"], "quantization": "q3"}}
-    with pytest.raises(LabError, match="--quantize must be one of"):
+    with pytest.raises(LabError, match="^quantize must be one of"):
         compare_model(bad)
     at_threshold = {**measurement, "model": {**measurement["model"], "quantization": "int8"}}
     with pytest.raises(LabError, match="outlier threshold 6.0\\) is not predicted"):
@@ -189,10 +189,10 @@ def test_a_measurement_names_its_quantization_and_compare_predicts_that_one():
 
 
 @pytest.mark.parametrize("kind, dtype, degree, message", [
-    ("q3", "bfloat16", 1, "--quantize must be one of"),
+    ("q3", "bfloat16", 1, "quantize must be one of"),
     ("int8", "bfloat16", 1, "so its bytes depend on the values; --quantize int8-threshold-0"),
-    ("nf4", "bfloat16", 2, "--tensor-parallel must be 1"),
-    ("int8-threshold-0", "bfloat16", 2, "--tensor-parallel must be 1"),
+    ("nf4", "bfloat16", 2, "tensor_parallel must be 1"),
+    ("int8-threshold-0", "bfloat16", 2, "tensor_parallel must be 1"),
     ("int8-threshold-0", "float64", 1, "must be one of bfloat16, float16, float32"),
     ("nf4", "float64", 1, "must be one of bfloat16, float16, float32"),
 ])

@@ -225,7 +225,7 @@ def test_degree_checks_and_run_spec_validation():
         with pytest.raises(ConfigError):
             check_tensor_parallel(shape, degree)
     for bad in (0, 65, True, "2"):
-        with pytest.raises(LabError, match="--tensor-parallel"):
+        with pytest.raises(LabError, match="^tensor_parallel must be"):
             RunSpec("x", tensor_parallel=bad)
 
 

@@ -34,7 +34,7 @@ def test_no_launcher_names_the_exact_command(launcher):
     with pytest.raises(launcher.LabError) as caught:
         launcher.launch_info(2, MEASURE_ARGV, environ={})
     assert str(caught.value) == (
-        "--tensor-parallel 2 runs one process per GPU, started by torchrun; run: torchrun --nproc-per-node 2 "
+        "tensor_parallel 2 runs one process per GPU, started by torchrun; run: torchrun --nproc-per-node 2 "
         "-m lab_helpers.mesure_memoire measure --width 64 --tensor-parallel 2 --output tp.json")
 
 
@@ -65,9 +65,9 @@ BAD_ENVIRONMENTS = [
     ("local-rank-arabic-digit", with_env(LOCAL_RANK="\u0661"), 2, "the launcher's LOCAL_RANK not an integer"),
     ("world-size-huge", with_env(WORLD_SIZE="9" * 2000), 2, "the launcher's WORLD_SIZE has 2000 characters"),
     ("world-size-mismatch", with_env(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4"), 2,
-     "--tensor-parallel 2 disagrees with the launcher's world size 4 (WORLD_SIZE)"),
+     "tensor_parallel 2 disagrees with the launcher's world size 4 (WORLD_SIZE)"),
     ("world-size-mismatch-other-way", GOOD_ENV, 4,
-     "--tensor-parallel 4 disagrees with the launcher's world size 2 (WORLD_SIZE)"),
+     "tensor_parallel 4 disagrees with the launcher's world size 2 (WORLD_SIZE)"),
     ("rank-equals-world-size", with_env(RANK="2"), 2, "the launcher's RANK 2 is not below its WORLD_SIZE 2"),
     ("rank-above-world-size", with_env(RANK="7"), 2, "the launcher's RANK 7 is not below its WORLD_SIZE 2"),
     ("local-rank-out-of-range", with_env(LOCAL_RANK="2"), 2,
@@ -93,7 +93,7 @@ def test_bad_launcher_environment_is_one_line(launcher, environ, degree, message
 
 @pytest.mark.parametrize("degree", [0, 65, "0", "-1", "abc", True, 2.0])
 def test_launch_info_refuses_a_bad_degree(launcher, degree):
-    with pytest.raises(launcher.LabError, match="--tensor-parallel"):
+    with pytest.raises(launcher.LabError, match="^tensor_parallel "):
         launcher.launch_info(degree, MEASURE_ARGV, environ=GOOD_ENV)
 
 

@@ -11,8 +11,8 @@ from lab_helpers.real.card_fit import UNCAPPED_BUDGET_BYTES
 from lab_helpers.real.commands import main
 from lab_helpers.real.config import load_config
 from lab_helpers.real.train import TrainSpec, predict_training_model
-from lab_helpers.real.train_card import (NOT_ON_ONE_GPU, cheapest_training_forfaits, format_train_card,
-                                         training_fits)
+from lab_helpers.real.train_card import NOT_ON_ONE_GPU, cheapest_training_forfaits, training_fits
+from lab_helpers.real.train_tables import format_train_card
 
 pytest.importorskip("transformers")
 

@@ -9,7 +9,8 @@ from lab_helpers.core.tables import LINE_WIDTH
 from lab_helpers.pricing.card import load_card
 from lab_helpers.real.config import load_config
 from lab_helpers.real.train import TrainSpec, predict_training_model
-from lab_helpers.real.train_card import cheapest_training_forfaits, format_train_card
+from lab_helpers.real.train_card import cheapest_training_forfaits
+from lab_helpers.real.train_tables import format_train_card
 
 pytest.importorskip("transformers")
 

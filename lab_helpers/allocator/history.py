@@ -405,7 +405,7 @@ class HistoryRecorder:
     an out-of-memory PhaseError, the error's ``oom_snapshot`` holds the snapshot at the failure."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = False):
-        self.max_entries = parse_whole(max_entries, "--timeline-max-entries", 1, MAX_HISTORY_ENTRIES)
+        self.max_entries = parse_whole(max_entries, "max_entries", 1, MAX_HISTORY_ENTRIES)
         if not isinstance(stacks, bool):
             raise LabError("stacks must be True or False")
         self.stacks = stacks

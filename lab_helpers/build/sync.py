@@ -55,6 +55,7 @@ NOTEBOOK_ROOTS = {
         "lab_helpers/real/protocol.py",
         "lab_helpers/real/fit.py",
         "lab_helpers/real/card_fit.py",
+        "lab_helpers/real/card_tables.py",
         "lab_helpers/real/tables.py",
         "lab_helpers/views/plots.py",
     ),
@@ -62,6 +63,7 @@ NOTEBOOK_ROOTS = {
         "lab_helpers/pricing/forfait.py",
         "lab_helpers/pricing/grid.py",
         "lab_helpers/real/card_fit.py",
+        "lab_helpers/real/card_tables.py",
     ),
 }
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from lab_helpers.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, LabError
+from lab_helpers.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, LabError, ParameterError
 from lab_helpers.core.text import printable
 
 
@@ -204,6 +204,14 @@ def run(program: Program, argv=None) -> int:
         return EXIT_USAGE
 
 
+def usage_message(exc: LabError, args) -> str:
+    """The command line's words for a refusal: a parameter that is one of the parsed flags' dests is
+    named as its flag (days -> --days, new_tokens -> --new-tokens); any other message as raised."""
+    if not isinstance(exc, ParameterError):
+        return str(exc)
+    return exc.flagged(lambda name: hasattr(args, name))
+
+
 def run_parsed(program: Program, argv=None) -> int:
     if program.on_start is not None:
         program.on_start()
@@ -220,5 +228,5 @@ def run_parsed(program: Program, argv=None) -> int:
             program.on_usage_error()
         # one line whatever the message quotes: a path holding a newline or an escape sequence
         # is spelled out (\n, \x1b), never written raw to the terminal
-        error_line(f"{program.prog}: error: {printable(exc)}")
+        error_line(f"{program.prog}: error: {printable(usage_message(exc, args))}")
         return EXIT_USAGE

@@ -3,7 +3,7 @@ import argparse
 import math
 import re
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 
 
 GIB = 2**30  # binary gibibyte
@@ -66,7 +66,8 @@ def _below_minimum(minimum, shown: str) -> str:
 
 def parse_whole(text, name: str, minimum=None, maximum=None) -> int:
     """Return the whole number written in `text` (ASCII digits 0-9 only, no sign, no '_', no spaces),
-    within [minimum, maximum]; raise LabError naming `name` otherwise. The digit count is checked
+    within [minimum, maximum]; raise LabError naming `name` otherwise (a ParameterError where `name` is
+    a parameter's identifier, such as "batch": the command line names its flag). The digit count is checked
     before conversion, so a huge string is refused at once."""
     return _checked(_whole_problem, text, name, minimum, maximum)
 
@@ -79,7 +80,7 @@ def whole_number(minimum=None, maximum=None):
 def _checked(problem_of, text, name, minimum, maximum):
     value, problem = problem_of(text, minimum, maximum)
     if problem:
-        raise LabError(f"{name} {problem}")
+        raise ParameterError(name, problem) if name.isidentifier() else LabError(f"{name} {problem}")
     return value
 
 
@@ -125,11 +126,11 @@ MAX_DEVICE_DIGITS = 6
 
 
 def parse_device(device: str) -> int:
-    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise LabError."""
+    """Return N for an explicit 'cuda:N' device string (N: ASCII digits), else raise ParameterError."""
     match = re.fullmatch(r"cuda:([0-9]{1,%d})" % MAX_DEVICE_DIGITS, device) if isinstance(device, str) else None
     if not match:
         shown = repr(device[:40]) if isinstance(device, str) else type(device).__name__
-        raise LabError(f"--device must be an explicit cuda:N (e.g. cuda:0), got {shown}")
+        raise ParameterError("device", f"must be an explicit cuda:N (e.g. cuda:0), got {shown}")
     return int(match.group(1))
 
 

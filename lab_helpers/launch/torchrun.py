@@ -3,7 +3,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from lab_helpers.core.errors import LabError, safe_reason
+from lab_helpers.core.errors import LabError, ParameterError, safe_reason
 from lab_helpers.core.numbers import parse_whole
 from lab_helpers.measurement.protocol import import_torch
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
@@ -143,13 +143,13 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
 def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     """launch_info's checks of the launcher's environment alone, with no torch: a command refuses a
     run started without torchrun, or at another degree, before it imports anything heavy."""
-    parse_whole(tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+    parse_whole(tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
     env = launcher_environment() if environ is None else environ
     run_it = launcher_command(tensor_parallel, command)
     present = [name for name in LAUNCHER_VARIABLES if name in env]
     if not present:
-        raise LabError(f"--tensor-parallel {tensor_parallel} runs one process per GPU, started by torchrun; "
-                       f"run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} runs one process per GPU, started by torchrun; "
+                                                f"run: {run_it}")
     values = {}
     for name in LAUNCHER_VARIABLES:
         if name not in env:
@@ -158,8 +158,9 @@ def launcher_place(tensor_parallel: int, command, environ=None) -> LaunchInfo:
         values[name] = parse_whole(env[name], f"the launcher's {name}", 0, MAX_LAUNCHER_NUMBER)
     info = LaunchInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
     if info.world_size != tensor_parallel:
-        raise LabError(f"--tensor-parallel {tensor_parallel} disagrees with the launcher's world size "
-                       f"{info.world_size} (WORLD_SIZE): the degree is the number of ranks; run: {run_it}")
+        raise ParameterError("tensor_parallel", f"{tensor_parallel} disagrees with the launcher's world size "
+                                                f"{info.world_size} (WORLD_SIZE): the degree is the number of "
+                                                f"ranks; run: {run_it}")
     if info.rank >= info.world_size:
         raise LabError(f"the launcher's RANK {info.rank} is not below its WORLD_SIZE {info.world_size}")
     if not 1 <= info.local_world_size <= info.world_size:

@@ -1,46 +1,30 @@
-"""The --timeline flags of every measuring command, and what they write."""
+"""The allocator's timeline of a measuring run: its recorder, and what it writes (the --timeline flags:
+lab_helpers.measurement.timeline_commands)."""
 import json
 import os
 
-from lab_helpers.allocator.history import (DEFAULT_MAX_ENTRIES, HistoryRecorder, MAX_HISTORY_ENTRIES,
-                                           STACK_FRAMES_KEPT, oom_snapshot_path)
-from lab_helpers.core.errors import LabError, safe_reason
+from lab_helpers.allocator.history import DEFAULT_MAX_ENTRIES, HistoryRecorder, oom_snapshot_path
+from lab_helpers.core.errors import LabError, ParameterError, safe_reason
 from lab_helpers.core.files import check_new_output, display_path, write_new_text
-from lab_helpers.core.numbers import whole_number
 from lab_helpers.measurement.protocol import PhaseError
 
 
-def add_timeline_flags(parser) -> None:
-    """--timeline FILE, --timeline-stacks and --timeline-max-entries N, for every measuring command."""
-    parser.add_argument("--timeline", metavar="FILE",
-                        help="record the allocator's history and write the compact timeline (every allocation "
-                             "and release with bytes, time and phase; segments; phase boundaries) to this new "
-                             "file, after --output; on out of memory, save the allocator's snapshot to FILE "
-                             "with .json replaced by .oom.json instead (read it with: python -m "
-                             "lab_helpers.timeline explain)")
-    parser.add_argument("--timeline-stacks", action="store_true",
-                        help="with --timeline: also record Python and C++ stacks of each allocation (slower; "
-                             f"the innermost {STACK_FRAMES_KEPT} frames are kept)")
-    parser.add_argument("--timeline-max-entries", type=whole_number(1, MAX_HISTORY_ENTRIES), metavar="N",
-                        default=DEFAULT_MAX_ENTRIES,
-                        help=f"with --timeline: events kept, the oldest dropped beyond (default {DEFAULT_MAX_ENTRIES})")
-
-
-def timeline_recorder(args, outputs: dict) -> "HistoryRecorder | None":
-    """The HistoryRecorder that parsed timeline flags ask for, or None; checks before any work that
-    the timeline and its .oom.json can be created and differ from `outputs` {flag: path or None},
-    already checked by the caller."""
-    if args.timeline is None:
-        if args.timeline_stacks or args.timeline_max_entries != DEFAULT_MAX_ENTRIES:
-            raise LabError("--timeline-stacks and --timeline-max-entries need --timeline FILE")
+def timeline_recorder(timeline=None, stacks: bool = False, max_entries: int = DEFAULT_MAX_ENTRIES,
+                      outputs=()) -> "HistoryRecorder | None":
+    """The HistoryRecorder of a run whose timeline goes to the new file `timeline` (None: no timeline,
+    and then neither `stacks` nor a `max_entries` of its own), keeping `max_entries` events, with the
+    stacks of each allocation if `stacks`; checks before any work that the timeline and its .oom.json
+    can be created and differ from the run's other `outputs` (paths or None, already checked)."""
+    if timeline is None:
+        if stacks or max_entries != DEFAULT_MAX_ENTRIES:
+            raise LabError("stacks and max_entries need a timeline file")
         return None
-    check_new_output(args.timeline)
-    check_new_output(oom_snapshot_path(args.timeline))
-    paths = [os.path.abspath(p) for p in (*outputs.values(), args.timeline, oom_snapshot_path(args.timeline))
-             if p is not None]
+    check_new_output(timeline)
+    check_new_output(oom_snapshot_path(timeline))
+    paths = [os.path.abspath(p) for p in (*outputs, timeline, oom_snapshot_path(timeline)) if p is not None]
     if len(set(paths)) != len(paths):
-        raise LabError(f"{', '.join(outputs)}, --timeline and its .oom.json must be different files")
-    return HistoryRecorder(args.timeline_max_entries, args.timeline_stacks)
+        raise ParameterError("timeline", "and its .oom.json must be different files from the run's other outputs")
+    return HistoryRecorder(max_entries, stacks)
 
 
 def write_timeline(path, history: "HistoryRecorder") -> dict:

@@ -12,15 +12,13 @@ sorted by price; the GPU models that fit at no allowed degree come last.
 """
 import math
 
-from lab_helpers.core.errors import LabError
-from lab_helpers.core.tables import LINE_WIDTH, format_bytes, text_table, wrapped
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.text import printable
 from lab_helpers.pricing.card import (DURATIONS_DAYS, ILLUSTRATIVE_NOTICE, MAX_ACCEPTED_RESULTS, NOTICE, RATE_CARD_PATH,
                                       ForfaitError, is_illustrative, load_card)
-from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait, format_money
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, compute_forfait
 from lab_helpers.real.config import ConfigError, ModelShape, check_tensor_parallel
-from lab_helpers.real.budget import (DERIVED, MEASURED, MEASURED_NCCL_OUTSIDE, NCCL_REFERENCE, budget_rule_text,
-                                     device_budget, nccl_outside)
+from lab_helpers.real.budget import MEASURED_NCCL_OUTSIDE, NCCL_REFERENCE, budget_rule_text, device_budget, nccl_outside
 from lab_helpers.real.fit import MAX_FIT_DECODE_STEPS, SearchBounded, fits_at_degree
 from lab_helpers.real.progress import progress_bar
 from lab_helpers.real.spec import RunSpec
@@ -52,8 +50,8 @@ def degree_problem(shape: ModelShape, degree: int):
     """None when transformers' tensor-parallel plan can split the model `degree` ways, else why not."""
     try:
         check_tensor_parallel(shape, degree)
-    except ConfigError as exc:
-        return str(exc)
+    except ConfigError as exc:  # worded as fit --card's answer says it: the flag it leaves out
+        return exc.flagged(lambda name: name == "tensor_parallel") if isinstance(exc, ParameterError) else str(exc)
     return None
 
 
@@ -70,13 +68,13 @@ def rank_budget_bytes(gpu: str, gpu_budget: int, degree: int) -> int:
 
 
 def check_request(days, accepted_results) -> None:
-    """Raise LabError unless `days` is a forfait duration and `accepted_results` None or 1..10^15."""
+    """Raise ParameterError unless `days` is a forfait duration and `accepted_results` None or 1..10^15."""
     if days not in DURATIONS_DAYS:
-        raise LabError(f"--days must be one of {', '.join(map(str, DURATIONS_DAYS))}, got {days!r}")
+        raise ParameterError("days", f"must be one of {', '.join(map(str, DURATIONS_DAYS))}, got {days!r}")
     if accepted_results is not None and (isinstance(accepted_results, bool) or not isinstance(accepted_results, int)
                                          or not 1 <= accepted_results <= MAX_ACCEPTED_RESULTS):
-        raise LabError(f"--accepted-results must be a whole number from 1 to {MAX_ACCEPTED_RESULTS}, "
-                       f"got {accepted_results!r}")
+        raise ParameterError("accepted_results", f"must be a whole number from 1 to {MAX_ACCEPTED_RESULTS}, "
+                                                 f"got {accepted_results!r}")
 
 
 def capped_where_needed(cache: dict, predict, degree: int, budget: int) -> dict:
@@ -246,93 +244,3 @@ def card_fit(shape: ModelShape, spec: RunSpec, days: int, accepted_results=None,
     check_request(days, accepted_results)
     rows, shown = read_card(tariffs)
     return cheapest_forfaits(shape, spec, days, rows, accepted_results, card_name=shown, trace_cache=trace_cache)
-
-
-def table_rows(result: dict) -> list:
-    """One dict per GPU model with the columns people read (for pandas or format_card_fit)."""
-    currency = result["currency"]
-    out = []
-    for rank, row in enumerate(result["rows"], start=1):
-        fits = row["fits"]
-        out.append({
-            "rank": rank if fits else None, "gpu": row["gpu"],
-            "tensor_parallel": row.get("tensor_parallel"), "lots": row.get("lots"), "gpus": row.get("gpus"),
-            "total_price": format_money(row["total_price_cents"], currency) if fits else "does not fit",
-            "unit_cost": (format_money(row["unit_cost_cents"], currency)
-                          if fits and row["unit_cost_cents"] is not None else None),
-            "budget_bytes": row["budget_bytes"], "memory": row["memory_source"],
-            "peak_reserved_bytes": row.get("peak_reserved_bytes"),
-        })
-    return out
-
-
-def people_rows(result: dict) -> list:
-    """table_rows for people (the text table, the notebooks' tables): the budget and the peak reserved
-    per GPU in GiB with the bytes beside them (format_bytes), "-" for any value not known."""
-    out = []
-    for row in table_rows(result):
-        budget, peak = row.pop("budget_bytes"), row.pop("peak_reserved_bytes")
-        memory = row.pop("memory")  # re-added after the budget: the columns' order
-        row = {**row, "budget": format_bytes(budget), "memory": memory,
-               "peak_reserved": None if peak is None else format_bytes(peak)}
-        out.append({key: "-" if value is None else value for key, value in row.items()})
-    return out
-
-
-def format_card_fit(result: dict) -> str:
-    """The result as aligned lines for people."""
-    c = result["configuration"]
-    return card_fit_table(
-        result, f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, "
-                f"{c['new_tokens']} new tokens",
-        [f"Degrees: {result['degree_rule']}; allowed for this model: "
-         f"{', '.join(map(str, result['allowed_degrees'])) or 'none'}.",
-         # a degree the plan cannot split the model by is a fact of the model, not an error
-         *(f"  not possible: {why}" for why in result["refused_degrees"].values())],
-        [f"NCCL: {result['nccl_rule']}; peak_reserved is the worst rank's."])
-
-
-def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
-    """An answer's rows as aligned lines under a title naming the `run`, then the lines `before`, the
-    order and memory rule, the lines `after`, the unit cost's rounding if asked and the notice: within
-    LINE_WIDTH, the columns split into a table of prices and one of memory (each led by rank and gpu)
-    where one table would be wider, the text wrapped."""
-    columns = ["rank", "gpu", "tensor_parallel", "lots", "gpus", "total_price", "budget", "memory", "peak_reserved"]
-    if result["accepted_results"] is not None:
-        columns.insert(6, "unit_cost")
-    rows = people_rows(result)
-    memory = columns.index("budget")
-    bands = (list(range(2, memory)), list(range(memory, len(columns))))  # the prices, then the memory
-    lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
-             text_table(columns, [[r[k] for k in columns] for r in rows], width=LINE_WIDTH, keep=2, left=True,
-                        bands=bands)]
-    lines += ["", *before, f"Order: {result['order']}.",
-              f"Memory per GPU (budget): {MEASURED} = {result['memory_rule'][MEASURED]}; "
-              f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]
-    if result["accepted_results"] is not None:
-        lines.append(f"Per accepted result ({result['accepted_results']:,}): {result['unit_cost_rounding']}.")
-    lines.append(f"Notice: {result['notice']}")
-    return wrapped("\n".join(lines))
-
-
-def check_card_flags(args) -> None:
-    """Raise LabError when real_model fit's flags mix --card with a single budget, or lack a size."""
-    if args.card:
-        if args.gpu is not None or args.memory_bytes is not None:
-            raise LabError("--card compares every GPU model of the rate card: give neither --gpu nor --memory-bytes")
-        if getattr(args, "device", None) is not None:
-            raise LabError("--card reads each GPU's memory from the lab's measurements or the rate card: "
-                           "leave out --device")
-        missing = [flag for flag, value in (("--batch", args.batch), ("--context", args.context),
-                                            ("--days", args.days)) if value is None]
-        if missing:
-            raise LabError(f"--card needs {' and '.join(missing)}")
-        if getattr(args, "tensor_parallel", 1) != 1:
-            raise LabError("--card finds the tensor-parallel degree itself: leave out --tensor-parallel")
-        if args.tariffs == "":
-            raise LabError("--tariffs: the path is empty")
-        return
-    extra = [flag for flag, value in (("--days", args.days), ("--accepted-results", args.accepted_results),
-                                      ("--tariffs", args.tariffs)) if value is not None]
-    if extra:
-        raise LabError(f"{', '.join(extra)} only go with --card")

@@ -27,12 +27,14 @@ from lab_helpers.core.numbers import DTYPE_BYTES, whole_number
 from lab_helpers.launch.torchrun import hold_launcher_stop, keep_own_exit_code, launcher_place, wait_for_every_rank
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL, read_measurement
 from lab_helpers.measurement.protocol import PhaseError
-from lab_helpers.measurement.recording import add_timeline_flags, save_oom_snapshot, timeline_recorder, write_timeline
+from lab_helpers.measurement.recording import save_oom_snapshot, write_timeline
+from lab_helpers.measurement.timeline_commands import add_timeline_flags, timeline_recorder_of
 from lab_helpers.pricing.card import DURATIONS_DAYS, MAX_ACCEPTED_RESULTS
-from lab_helpers.real.card_fit import check_card_flags, cheapest_forfaits, read_card
+from lab_helpers.real.card_fit import cheapest_forfaits, read_card
 from lab_helpers.real.config import bundled_names, check_tensor_parallel
-from lab_helpers.real.early_commands import (check_positions, check_quantize_flags, checked_config, model_shape,
-                                             refuse_budget_without_gpu, refuse_without_gpu)
+from lab_helpers.real.early_commands import (check_card_flags, check_positions, check_quantize_flags, checked_config,
+                                             model_shape, refuse_budget_without_gpu, refuse_card_allocator,
+                                             refuse_without_gpu)
 from lab_helpers.real.budget import MEASURED, budget_source_text, nccl_outside, with_memory_source
 from lab_helpers.real.fit import fit_model, gpu_budget, gpu_budget_entry, usable_memory_bytes
 from lab_helpers.real.predict import compare_model, predict_model
@@ -272,9 +274,8 @@ def handle_fit(args) -> int:
     refuse_model_train_flags(args)
     check_card_flags(args)  # before the config is read
     settings = allocator_settings(args.allocator_conf)
-    if args.card and settings.expandable_segments:
-        raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
-                       "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
+    if args.card:
+        refuse_card_allocator(settings)
     check_quantize_flags(args)
     degree = args.tensor_parallel
     # the rate card (or the one GPU model asked of it), and whether a GPU can be measured, before the
@@ -336,7 +337,7 @@ def measure_command_result(args) -> "dict | None":
     history = None
     if degree == 1:
         check_new_output(output)  # before the model is built, not after minutes of work
-        history = timeline_recorder(args, {"--output": args.output})
+        history = timeline_recorder_of(args, {"--output": args.output})
     raw_config = checked_config(args)
     spec = RunSpec(raw_config.name, dtype=args.dtype, batch=args.batch, context=args.context,
                    new_tokens=args.new_tokens, decode_record_every=args.decode_record_every, tensor_parallel=degree,

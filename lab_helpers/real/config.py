@@ -19,6 +19,7 @@ from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 from lab_helpers.real.progress import plain_tqdm_in_notebooks
 from lab_helpers.real.raw_config import (CAUSAL_LM_MAPPING, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_INTERMEDIATE,
                                          MAX_LAYERS, MAX_MODEL_HIDDEN, MAX_POSITIONS, MAX_VOCAB, ConfigError,
+                                         ConfigParameterError,
                                          RawConfig, auto_mapping_names, bounded, bundled_names, precheck_config,
                                          precheck_raw)
 
@@ -422,18 +423,20 @@ def check_tensor_parallel(shape: ModelShape, degree) -> None:
     hidden_size must divide too, as the heads' width split evenly (a config whose head_dim
     makes the heads' width differ from hidden_size is refused there rather than guessed)."""
     if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_TENSOR_PARALLEL:
-        raise ConfigError(f"--tensor-parallel must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {degree!r}")
+        raise ConfigParameterError("tensor_parallel", f"must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, "
+                                                       f"got {degree!r}")
     if degree == 1:
         return
     if not shape.tensor_parallel_plan:
-        raise ConfigError(f"--tensor-parallel {degree}: transformers has no tensor-parallel plan "
-                          f"(base_model_tp_plan) for model_type {shape.model_type!r}; it runs on one GPU only")
+        raise ConfigParameterError("tensor_parallel", f"{degree}: transformers has no tensor-parallel plan "
+                                                   f"(base_model_tp_plan) for model_type {shape.model_type!r}; it "
+                                                   f"runs on one GPU only")
     for key, value in (("num_attention_heads", shape.heads), ("num_key_value_heads", shape.kv_heads),
                        ("hidden_size", shape.hidden), ("intermediate_size", shape.intermediate),
                        ("vocab_size", shape.vocab)):
         if value % degree:
-            raise ConfigError(f"--tensor-parallel {degree} does not divide config key {key!r} ({value}), "
-                              f"which the tensor-parallel plan splits across the GPUs")
+            raise ConfigParameterError("tensor_parallel", f"{degree} does not divide config key {key!r} ({value}), "
+                                                           f"which the tensor-parallel plan splits across the GPUs")
     if shape.tied_embeddings:
         raise ConfigError("config key 'tie_word_embeddings': tied embeddings at tensor parallel > 1 are not "
                           "covered (the plan splits lm_head but not the embedding it shares)")

@@ -25,6 +25,44 @@ def check_packages(args) -> None:
         require("peft", f"--train {args.train}")
 
 
+def check_card_flags(args) -> None:
+    """The one home of the --card rules. Raise LabError when real_model fit's flags mix --card with a single budget, or lack a size."""
+    if args.card:
+        if args.gpu is not None or args.memory_bytes is not None:
+            raise LabError("--card compares every GPU model of the rate card: give neither --gpu nor --memory-bytes")
+        if getattr(args, "device", None) is not None:
+            raise LabError("--card reads each GPU's memory from the lab's measurements or the rate card: "
+                           "leave out --device")
+        missing = [flag for flag, value in (("--batch", args.batch), ("--context", args.context),
+                                            ("--days", args.days)) if value is None]
+        if missing:
+            raise LabError(f"--card needs {' and '.join(missing)}")
+        if getattr(args, "tensor_parallel", 1) != 1:
+            raise LabError("--card finds the tensor-parallel degree itself: leave out --tensor-parallel")
+        if args.tariffs == "":
+            raise LabError("--tariffs: the path is empty")
+        return
+    extra = [flag for flag, value in (("--days", args.days), ("--accepted-results", args.accepted_results),
+                                      ("--tariffs", args.tariffs)) if value is not None]
+    if extra:
+        raise LabError(f"{', '.join(extra)} only go with --card")
+
+
+def check_train_card_flags(args) -> None:
+    """Raise LabError when fit --card --task train's flags cannot be answered (before the config is read)."""
+    if getattr(args, "tensor_parallel", 1) != 1:
+        raise LabError("tensor-parallel training is out of scope: fit --card --task train asks one GPU of each "
+                       "model; leave out --tensor-parallel")
+    check_card_flags(args)
+
+
+def refuse_card_allocator(settings) -> None:
+    """--card predicts PyTorch's default allocator only."""
+    if settings.expandable_segments:
+        raise LabError("--card predicts PyTorch's default allocator only; leave out expandable_segments:True "
+                       "(--allocator-conf or PYTORCH_CUDA_ALLOC_CONF), or ask one GPU model with --gpu")
+
+
 def check_quantize_flags(args) -> None:
     """--quantize against --dtype, --tensor-parallel and --card, then its package."""
     if args.quantize is None:

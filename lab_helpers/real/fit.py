@@ -6,7 +6,7 @@ import sys
 from dataclasses import replace
 
 from lab_helpers.allocator.settings import DEFAULT_SETTINGS, AllocatorSettings
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.numbers import parse_device
 from lab_helpers.measurement.environment import usable_memory
 from lab_helpers.pricing.card import RATE_CARD_PATH, ForfaitError, load_card
@@ -241,8 +241,8 @@ def _fit_search(shape: ModelShape, base: RunSpec, budget_bytes: int, budget_sour
     if shape.max_positions:
         context_limit = min(context_limit, max(shape.max_positions - new_tokens, 1))
     if context is not None and context > context_limit:  # before any prediction
-        raise LabError(f"--context {context} is beyond the model's {shape.max_positions} positions "
-                       f"minus {new_tokens} new tokens")
+        raise ParameterError("context", f"{context} is beyond the model's {shape.max_positions} positions "
+                                        f"minus {new_tokens} new tokens")
     from lab_helpers.allocator.budget import OutOfMemory
     cache, predictions = {}, []
     limit = prediction_limit(new_tokens)

@@ -24,7 +24,7 @@ The warmup's size is modelled for a fresh process whose weights fit the card les
 import contextlib
 import logging
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.measurement.schema import FOUR_BIT_KINDS, QUANTIZE_KINDS
 
 # --quantize: bitsandbytes' 4-bit type and whether the absmax is quantized again; None for 8 bits
@@ -39,16 +39,17 @@ INT8_REFUSAL = ("--quantize int8 (LLM.int8() at bitsandbytes' default outlier th
 
 
 def check_quantization(kind: str, dtype: str, tensor_parallel: int) -> None:
-    """LabError unless `kind` (a --quantize value) can be predicted and measured with `dtype`."""
+    """ParameterError unless `kind` (a quantize value) can be predicted and measured with `dtype`."""
     if kind == "int8":
         raise LabError(INT8_REFUSAL)
     if kind not in QUANTIZATIONS:
-        raise LabError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+        raise ParameterError("quantize", f"must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     if dtype not in QUANTIZED_DTYPES:
-        raise LabError(f"--quantize {kind} computes in the model's dtype, which must be one of "
-                       f"{', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
+        raise ParameterError("quantize", f"{kind} computes in the model's dtype, which must be one of "
+                                         f"{', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
     if tensor_parallel != 1:
-        raise LabError(f"--quantize {kind} is predicted on one GPU only: --tensor-parallel must be 1")
+        raise ParameterError("quantize", f"{kind} is predicted on one GPU only: {{tensor_parallel}} must be 1",
+                             ("tensor_parallel",))
 
 
 def bitsandbytes_config(kind: str, dtype: str):

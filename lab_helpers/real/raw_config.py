@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.files import read_bounded_text
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.core.text import printable
@@ -67,6 +67,11 @@ CAUSAL_LM_MAPPING = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 class ConfigError(LabError, ValueError):
     """A config that cannot be used: one line naming the key. A ValueError too, so that a document
     holding a bad config reads as a malformed document where documents are checked."""
+
+
+class ConfigParameterError(ConfigError, ParameterError):
+    """A ConfigError about one parameter's value, named as the caller gave it (lab_helpers.core.errors'
+    ParameterError: the command line names its flag)."""
 
 
 @dataclass(frozen=True)
@@ -376,9 +381,10 @@ def _not_found(text: str) -> ConfigError:
     typed = text.rstrip("/").rsplit("/", 1)[-1].lower()
     close = difflib.get_close_matches(typed, [n.lower() for n in names], n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}? " if close else ""
-    return ConfigError(f"--config {printable(text)} is neither a file nor a bundled config "
-                       f"({', '.join(names)}), nor a model folder holding a config.json; {hint}for a Hugging "
-                       f"Face model, download its config.json and pass its path (or the folder holding it)")
+    return ConfigParameterError("config", f"{printable(text)} is neither a file nor a bundled config "
+                                         f"({', '.join(names)}), nor a model folder holding a config.json; {hint}"
+                                         f"for a Hugging Face model, download its config.json and pass its path "
+                                         f"(or the folder holding it)")
 
 
 def read_config_file(path_or_name) -> tuple:
@@ -394,9 +400,9 @@ def read_config_file(path_or_name) -> tuple:
     elif path.is_dir():
         # a Hugging Face model folder (as from_pretrained reads it): its config.json
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--config {printable(text)} is a folder without a config.json, not a regular file; "
-                              f"give a config.json, "
-                              f"a model folder holding one, or a bundled config ({', '.join(bundled_names())})")
+            raise ConfigParameterError("config", f"{printable(text)} is a folder without a config.json, not a regular "
+                                                 f"file; give a config.json, a model folder holding one, or a "
+                                                 f"bundled config ({', '.join(bundled_names())})")
         name = path.resolve().name or "config"
         path, shown = path / "config.json", str(path / "config.json")
     else:

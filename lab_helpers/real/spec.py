@@ -2,7 +2,7 @@
 built, and the blocks of a document that describe it."""
 from dataclasses import asdict, dataclass
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
 from lab_helpers.measurement.schema import MAX_TENSOR_PARALLEL
 from lab_helpers.real.config import ModelShape
@@ -20,7 +20,7 @@ MAX_TOKENS = 2**26  # batch x (context + new tokens)
 @dataclass(frozen=True)
 class RunSpec:
     """One inference run: a model config, dtype, sizes and the decode recording. A bad value raises
-    LabError when the spec is built (dataclasses.replace builds a new one, checked the same way)."""
+    ParameterError (a LabError naming the field) when the spec is built (dataclasses.replace builds a new one, checked the same way)."""
 
     config_name: str
     dtype: str = "bfloat16"
@@ -36,20 +36,20 @@ class RunSpec:
         parse_device(self.device)  # an explicit cuda:N, checked before torch is imported
         tp = self.tensor_parallel
         if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_TENSOR_PARALLEL:
-            raise LabError(f"--tensor-parallel must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {tp!r}")
+            raise ParameterError("tensor_parallel", f"must be a whole number from 1 to {MAX_TENSOR_PARALLEL}, got {tp!r}")
         if self.dtype not in DTYPE_BYTES:
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise ParameterError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, high in (("batch", MAX_MODEL_BATCH), ("context", MAX_MODEL_CONTEXT),
                            ("new_tokens", MAX_MODEL_NEW_TOKENS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise LabError(f"--{name.replace('_', '-')} must be a whole number from 1 to {high}, got {value!r}")
+                raise ParameterError(name, f"must be a whole number from 1 to {high}, got {value!r}")
         if self.batch * (self.context + self.new_tokens) > MAX_TOKENS:
             raise LabError(f"batch x (context + new tokens) must be at most {MAX_TOKENS}")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
+            raise ParameterError("seed", f"must be a whole number >= 0, got {self.seed!r}")
         if not isinstance(self.decode_record_every, int) or self.decode_record_every < 1:
-            raise LabError(f"--decode-record-every must be a whole number >= 1, got {self.decode_record_every!r}")
+            raise ParameterError("decode_record_every", f"must be a whole number >= 1, got {self.decode_record_every!r}")
 
 
 def recorded_steps(new_tokens: int, every: int) -> list:

@@ -1,6 +1,7 @@
 """real_model's results as text for people: one table per command."""
 from lab_helpers.core.tables import LINE_WIDTH, format_bytes, phase_label, rank_groups, ranks_label, text_table, wrapped
-from lab_helpers.real.card_fit import CARD_FIT_KIND, format_card_fit
+from lab_helpers.real.card_fit import CARD_FIT_KIND
+from lab_helpers.real.card_tables import format_card_fit
 from lab_helpers.real.spec import COUNTER_KEYS
 
 

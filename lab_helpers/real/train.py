@@ -10,7 +10,7 @@ prepare_model_for_kbit_training before its LoRA adapters are added (`prepare_kbi
 """
 from dataclasses import asdict, dataclass, replace
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device
 from lab_helpers.measurement.environment import environment
@@ -79,53 +79,55 @@ class TrainSpec:
         if isinstance(self.lora_targets, list):
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.dtype not in DTYPE_BYTES:
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise ParameterError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for name, low, high in (("batch", 1, MAX_MODEL_BATCH), ("context", 2, MAX_MODEL_CONTEXT),
                                 ("steps", 2, MAX_TRAIN_STEPS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise LabError(f"--{name} must be a whole number from {low} to {high} with --task train, got {value!r}")
+                raise ParameterError(name, f"must be a whole number from {low} to {high} with {{task}} train, got {value!r}",
+                                     ("task",))
         if self.batch * self.context > MAX_TRAIN_TOKENS:
             raise LabError(f"batch x context must be at most {MAX_TRAIN_TOKENS} with --task train")
         if self.optimizer not in TRAIN_OPTIMIZERS:
-            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {self.optimizer!r}")
+            raise ParameterError("optimizer", f"must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fused and self.optimizer != "adamw":
-            raise LabError("--fused is for --optimizer adamw only")
+            raise ParameterError("fused", "is for {optimizer} adamw only", ("optimizer",))
         if self.train not in TRAIN_MODES:
-            raise LabError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
+            raise ParameterError("train", f"must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
         if self.train in ADAPTER_MODES:
             rank = self.lora_rank
             if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
-                raise LabError(f"--lora-rank must be a whole number from 1 to {MAX_LORA_RANK} with --train "
-                               f"{self.train}, got {rank!r}")
+                raise ParameterError("lora_rank", f"must be a whole number from 1 to {MAX_LORA_RANK} with {{train}} "
+                                                  f"{self.train}, got {rank!r}", ("train",))
             targets = self.lora_targets
             if targets is not None and (not isinstance(targets, tuple) or not targets or len(targets) > 64
                                         or not all(isinstance(t, str) and t.isidentifier() for t in targets)):
-                raise LabError("--lora-targets must name modules, such as q_proj v_proj (1 to 64 names)")
+                raise ParameterError("lora_targets", "must name modules, such as q_proj v_proj (1 to 64 names)")
         elif self.lora_rank is not None or self.lora_targets is not None:
-            raise LabError("--lora-rank and --lora-targets need --train lora or qlora")
+            raise ParameterError("lora_rank", "and {lora_targets} need {train} lora or qlora", ("lora_targets", "train"))
         if self.train == "qlora" and self.quantize is None:
-            raise LabError(f"--train qlora needs --quantize ({', '.join(FOUR_BIT_KINDS)}): the 4-bit base it trains "
-                           "adapters on")
+            raise ParameterError("train", f"qlora needs {{quantize}} ({', '.join(FOUR_BIT_KINDS)}): the 4-bit base it "
+                                          "trains adapters on", ("quantize",))
         if self.train != "qlora" and self.quantize is not None:
-            raise LabError(f"--quantize with --train {self.train}: 4-bit weights are frozen, QLoRA trains adapters "
-                           "on them: use --train qlora")
+            raise ParameterError("quantize", f"with {{train}} {self.train}: 4-bit weights are frozen, QLoRA trains "
+                                             "adapters on them: use {train} qlora", ("train",))
         if self.quantize is not None:
             check_quantization(self.quantize, self.dtype, 1)
             if QUANTIZATIONS[self.quantize] is None:
-                raise LabError(f"--train qlora on --quantize {self.quantize} is not predicted: QLoRA's base is one "
-                               f"of the 4-bit kinds ({', '.join(FOUR_BIT_KINDS)})")
+                raise ParameterError("train", f"qlora on {{quantize}} {self.quantize} is not predicted: QLoRA's base is "
+                                              f"one of the 4-bit kinds ({', '.join(FOUR_BIT_KINDS)})", ("quantize",))
         if self.autocast is not None:
             if self.autocast not in AUTOCAST_DTYPES:
-                raise LabError(f"--autocast must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
+                raise ParameterError("autocast", f"must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.autocast!r}")
             if self.dtype != "float32":
-                raise LabError(f"--autocast {self.autocast} keeps float32 master weights: give --dtype float32 "
-                               f"(got {self.dtype}; bfloat16 weights train without autocast)")
+                raise ParameterError("autocast", f"{self.autocast} keeps float32 master weights: give {{dtype}} float32 "
+                                                 f"(got {self.dtype}; bfloat16 weights train without autocast)",
+                                     ("dtype",))
             if self.train == "qlora":
-                raise LabError("--autocast with --train qlora is not predicted: the 4-bit product computes in its "
-                               "own compute dtype; leave --autocast out")
+                raise ParameterError("autocast", "with {train} qlora is not predicted: the 4-bit product computes in its "
+                                                 "own compute dtype; leave {autocast} out", ("train", "autocast"))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise LabError(f"--seed must be a whole number >= 0, got {self.seed!r}")
+            raise ParameterError("seed", f"must be a whole number >= 0, got {self.seed!r}")
 
     def record(self) -> dict:
         record = {"kind": "transformers", "task": "train", **asdict(self)}
@@ -278,8 +280,8 @@ def prepare_kbit_training(model, spec: TrainSpec, empty_cache):
     # the replay follows peft 0.21.2, which empties the cache after its casts behind this switch: a
     # peft without the switch is not the one modelled (its release, if any, is unknown to the lab)
     if "auto_clear_cache" not in inspect.signature(peft.prepare_model_for_kbit_training).parameters:
-        raise LabError(f"--train qlora is modelled with peft 0.21.2's prepare_model_for_kbit_training (its "
-                       f"auto_clear_cache); peft {peft.__version__} has none: {install_command('peft')}")
+        raise ParameterError("train", f"qlora is modelled with peft 0.21.2's prepare_model_for_kbit_training (its "
+                                      f"auto_clear_cache); peft {peft.__version__} has none: {install_command('peft')}")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.gradient_checkpointing,
                                                  auto_clear_cache=False)
     empty_cache()
@@ -329,8 +331,8 @@ def check_lora_targets(shape: ModelShape, spec: TrainSpec) -> None:
         return
     missing = [t for t in spec.lora_targets if t not in linear]
     if missing:
-        raise LabError(f"--lora-targets {' '.join(missing)}: no such linear layer in this model (it has "
-                       f"{', '.join(sorted(linear))})")
+        raise ParameterError("lora_targets", f"{' '.join(missing)}: no such linear layer in this model (it has "
+                                             f"{', '.join(sorted(linear))})")
 
 
 def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:

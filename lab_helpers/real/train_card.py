@@ -8,19 +8,18 @@ For every GPU model of the rate card: whether two optimizer steps of the run (it
 dtype, gradient checkpointing, batch and context, as `fit --task train` predicts them) fit one GPU of
 that model, the lots one GPU needs, their price for the days asked (exact cents), the cost per accepted
 result if asked, and whether the GPU's memory figure was measured or derived, not measured: the
-columns, budget rule, prices, order and table of lab_helpers.real.card_fit, whose pieces this module
-calls. Tensor-parallel training is out of scope of the lab: every GPU model is asked at degree 1
-only, and one whose one GPU cannot hold the run is listed last as not fitting.
+columns, budget rule, prices and order of lab_helpers.real.card_fit, whose pieces this module
+calls (its table: lab_helpers.real.train_tables.format_train_card). Tensor-parallel training is out of
+scope of the lab: every GPU model is asked at degree 1 only, and one whose one GPU cannot hold the run
+is listed last as not fitting.
 """
 from dataclasses import replace
 
-from lab_helpers.core.errors import LabError
-from lab_helpers.core.tables import format_bytes
-from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING, format_money
+from lab_helpers.pricing.forfait import UNIT_COST_ROUNDING
 from lab_helpers.real.budget import budget_rule_text
 from lab_helpers.real.card_fit import (UNCAPPED_BUDGET_BYTES, capped_where_needed, card_answer, card_entry,
-                                       card_fit_table, card_heading, card_models, check_card_flags, check_request,
-                                       gpu_budget_bytes, priced_entry, read_card)
+                                       card_heading, card_models, check_request, gpu_budget_bytes, priced_entry,
+                                       read_card)
 from lab_helpers.real.config import ModelShape
 from lab_helpers.real.train import TrainSpec, predict_training_model
 from lab_helpers.real.train_fit import TRAIN_FIT_CRITERION, TRAIN_FIT_STEPS
@@ -141,30 +140,3 @@ def train_card_fit(shape: ModelShape, spec: TrainSpec, days: int, accepted_resul
     check_request(days, accepted_results)
     rows, shown = read_card(tariffs)
     return cheapest_training_forfaits(shape, spec, days, rows, accepted_results, card_name=shown)
-
-
-def format_train_card(result: dict) -> str:
-    """The result as aligned lines for people (card_fit's table)."""
-    c = result["configuration"]
-    what = f"{c['train']} fine-tuning" + (f" on the {c['quantize']} base" if "quantize" in c else "")
-    run = (f"{c['config_name']} {c['dtype']}, batch {c['batch']}, context {c['context']}, {what}, "
-           f"{c['optimizer']}" + (" fused" if c["fused"] else "")
-           + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
-           + (f", {c['autocast']} autocast" if "autocast" in c else ""))
-    cheaper = result.get("with_gradient_checkpointing")
-    before = ([] if cheaper is None else
-              [f"With --gradient-checkpointing: {cheaper['gpu']} at "
-               f"{format_money(cheaper['total_price_cents'], result['currency'])}"
-               + (f", {format_money(cheaper['saves_cents'], result['currency'])} less than the cheapest fit above"
-                  if "saves_cents" in cheaper else ", where no GPU model fits without it")
-               + f" (peak reserved {format_bytes(cheaper['peak_reserved_bytes'])}).", ""])
-    return card_fit_table(result, run, [*before, f"Degrees: {result['degree_rule']}."],
-                          [f"Fits: {result['criterion']}."])
-
-
-def check_train_card_flags(args) -> None:
-    """Raise LabError when fit --card --task train's flags cannot be answered (before the config is read)."""
-    if getattr(args, "tensor_parallel", 1) != 1:
-        raise LabError("tensor-parallel training is out of scope: fit --card --task train asks one GPU of each "
-                       "model; leave out --tensor-parallel")
-    check_card_flags(args)

@@ -1,4 +1,5 @@
-"""real_model's --task train: the flags of predict and measure, what they run, and the tables for people."""
+"""real_model's --task train: the flags of predict and measure, and what they run (the tables for people:
+lab_helpers.real.train_tables)."""
 import json
 from pathlib import Path
 
@@ -6,14 +7,15 @@ from lab_helpers.core.cli import error_line
 from lab_helpers.core.errors import EXIT_OK, EXIT_PHASE, LabError
 from lab_helpers.core.files import check_new_output, write_new_json
 from lab_helpers.core.numbers import whole_number
-from lab_helpers.core.tables import LINE_WIDTH, format_bytes, phase_label, text_table, wrapped
 from lab_helpers.measurement.protocol import PhaseError
 from lab_helpers.measurement.schema import MAX_TRAIN_STEPS, TRAIN_OPTIMIZERS
-from lab_helpers.real.early_commands import (checked_config, check_packages, model_shape, refuse_budget_without_gpu,
-                                             refuse_without_gpu)
+from lab_helpers.real.early_commands import (check_card_flags, check_packages, check_train_card_flags, checked_config,
+                                             model_shape, refuse_budget_without_gpu, refuse_without_gpu)
 from lab_helpers.real.fit import gpu_budget, usable_memory_bytes
 from lab_helpers.real.train import (MAX_LORA_RANK, TRAIN_MODES, TrainSpec, check_lora_targets,
                                     compare_training_model, measure_training_model, predict_training_model)
+from lab_helpers.real.train_tables import (format_train_card, train_comparison_table, train_fit_table,
+                                           train_prediction_table)
 
 
 def add_model_train_flags(parser) -> None:
@@ -126,7 +128,6 @@ def measure_train_model_command(args) -> int:
 
 def fit_train_command(args) -> int:
     """fit --task train: the budget as inference's fit takes it, then the training search."""
-    from lab_helpers.real.card_fit import check_card_flags
     from lab_helpers.real.train_fit import fit_training
     if args.card:
         return train_card_command(args)
@@ -157,7 +158,7 @@ def fit_train_command(args) -> int:
 def train_card_command(args) -> int:
     """fit --card --task train: every GPU model of the rate card, one GPU each, priced."""
     from lab_helpers.real.card_fit import read_card
-    from lab_helpers.real.train_card import check_train_card_flags, cheapest_training_forfaits, format_train_card
+    from lab_helpers.real.train_card import cheapest_training_forfaits
     check_train_card_flags(args)
     train_spec_from_args(args, "unread")  # every flag checked before the config is read
     check_packages(args)
@@ -170,66 +171,6 @@ def train_card_command(args) -> int:
     return EXIT_OK
 
 
-def train_fit_table(result: dict) -> str:
-    lines = [f"budget: {format_bytes(result['budget_bytes'])} ({result['budget_source']})",
-             f"training: {result['train']} fine-tuning"
-             + (f" on the {result['quantize']} base" if "quantize" in result else "") + f", {result['optimizer']}"
-             + (", gradient checkpointing" if result["gradient_checkpointing"] else "")
-             + (f", {result['autocast']} autocast" if "autocast" in result else "")]
-    if "fits" in result:
-        lines.append(f"batch {result['batch']} x context {result['context']}: "
-                     + (f"fits, peak reserved {format_bytes(result['peak_reserved_bytes'])}, headroom "
-                        f"{format_bytes(result['headroom_bytes'])}"
-                        if result["fits"] else "does NOT fit"))
-    if "largest_context_at_batch" in result:
-        lines.append(f"largest context at batch {result['batch']}: {result['largest_context_at_batch']} "
-                     f"(bound: {result['largest_context_bound']})")
-    if "largest_batch_at_context" in result:
-        lines.append(f"largest batch at context {result['context']}: {result['largest_batch_at_context']} "
-                     f"(bound: {result['largest_batch_bound']})")
-    if "bounded" in result:
-        lines.append(f"note: {result['bounded']}")
-    lines.append(f"criterion: {result['criterion']}")
-    return wrapped("\n".join(lines))
-
-
 def compare_train_model_command(args, document: dict) -> int:
     _print(args, compare_training_model(document), train_comparison_table)
     return EXIT_OK
-
-
-def train_prediction_table(result: dict) -> str:
-    c = result["configuration"]
-    header = ("phase", "end allocated", "peak allocated", "peak reserved", "gradients", "optimizer states",
-              "activations")
-    rows = [(phase_label(p), format_bytes(p["end_allocated_bytes"]), format_bytes(p["peak_allocated_bytes"]),
-             format_bytes(p["peak_reserved_bytes"]), format_bytes(p["end_allocated_bytes_by_kind"]["gradients"]),
-             format_bytes(p["end_allocated_bytes_by_kind"]["optimizer_states"]),
-             format_bytes(p["end_allocated_bytes_by_kind"]["activations"])) for p in result["phases"]]
-    return wrapped("\n".join([
-        f"training prediction: {c['config_name']}, {c['dtype']}, batch {c['batch']}, context {c['context']}, "
-        f"{c['steps']} steps, {c['train']} fine-tuning, {c['optimizer']} ({result['optimizer']['implementation']})"
-        + (", gradient checkpointing" if c["gradient_checkpointing"] else "")
-        + (f", {c['autocast']} autocast" if "autocast" in c else ""),
-        text_table(header, rows, width=LINE_WIDTH),
-        f"overall peak: {format_bytes(result['overall']['peak_allocated_bytes'])} allocated, "
-        f"{format_bytes(result['overall']['peak_reserved_bytes'])} reserved",
-        f"optimizer: {result['optimizer']['note']}",
-        result["attention"],
-        *(f"note: {n}" for n in result["notes"]),
-        f"assumes: {result['assumptions']}",
-    ]))
-
-
-def train_comparison_table(result: dict) -> str:
-    header = ("phase", "measured peak allocated", "predicted", "difference B", "measured peak reserved",
-              "predicted", "difference B")
-    rows = [(phase_label(r), format_bytes(r["measured_peak_allocated_bytes"]),
-             format_bytes(r["predicted_peak_allocated_bytes"]), f"{r['difference_peak_allocated_bytes']:+d}",
-             format_bytes(r["measured_peak_reserved_bytes"]), format_bytes(r["predicted_peak_reserved_bytes"]),
-             f"{r['difference_peak_reserved_bytes']:+d}") for r in result["rows"]]
-    # where too wide for one table: allocated (measured, predicted, difference), then reserved
-    return "\n".join([text_table(header, rows, width=LINE_WIDTH, bands=((1, 2, 3), (4, 5, 6))),
-                      f"allocated exact (baseline, end and peak): {'yes' if result['allocated_exact'] else 'no'}",
-                      f"worst peak difference: allocated {result['peak_allocated_worst_relative']:.4%}, reserved "
-                      f"{result['peak_reserved_worst_relative']:.4%}"])

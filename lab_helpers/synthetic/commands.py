@@ -27,8 +27,8 @@ from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, 
                                             MAX_TENSOR_PARALLEL, MAX_WIDTH, read_measurement)
 from lab_helpers.measurement.environment import environment, environment_table, usable_memory
 from lab_helpers.measurement.protocol import PhaseError, import_torch
-from lab_helpers.measurement.recording import (add_timeline_flags, save_oom_snapshot, timeline_recorder,
-                                               write_timeline)
+from lab_helpers.measurement.recording import save_oom_snapshot, write_timeline
+from lab_helpers.measurement.timeline_commands import add_timeline_flags, timeline_recorder_of
 from lab_helpers.synthetic.estimate import MAX_PARAMETERS, MAX_RESERVE_GIB, estimate, estimate_table
 from lab_helpers.synthetic.measure import measure
 from lab_helpers.synthetic.network import MeasureConfig
@@ -314,7 +314,7 @@ def handle_measure(args) -> int:
 def measure_one_gpu(args, config: MeasureConfig) -> dict:
     if args.failure_report is not None:
         check_new_output(args.failure_report)
-    history = timeline_recorder(args, {"--output": args.output, "--failure-report": args.failure_report})
+    history = timeline_recorder_of(args, {"--output": args.output, "--failure-report": args.failure_report})
     document = measure(config) if history is None else measure(config, history)
     write_new_json(args.output, document)
     result = {"output": display_path(args.output), "phases": len(document["phases"])}

@@ -1,7 +1,7 @@
 """Weight bytes from a parameter count and a bit width (no GPU, no torch)."""
 import math
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.numbers import BITS_PER_BYTE, GB, GIB, MAX_BITS, parse_whole
 
 
@@ -19,11 +19,11 @@ MAX_RESERVE_GIB = 2**20  # one PiB, far above any device
 
 def estimate(parameters: int, bits: int, reserve_gib: float = 0.0) -> dict:
     """Return the weight bytes of `parameters` at `bits` per parameter, plus a stated reserve."""
-    parse_whole(parameters, "--parameters", 1, MAX_PARAMETERS)
-    parse_whole(bits, "--bits", 1, MAX_BITS)
+    parse_whole(parameters, "parameters", 1, MAX_PARAMETERS)
+    parse_whole(bits, "bits", 1, MAX_BITS)
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) \
             or not math.isfinite(reserve_gib) or not 0 <= reserve_gib <= MAX_RESERVE_GIB:
-        raise LabError(f"--reserve-gib must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
+        raise ParameterError("reserve_gib", f"must be a finite number from 0 to {MAX_RESERVE_GIB}, got {reserve_gib!r}")
     bytes_per_parameter = -(-bits // BITS_PER_BYTE)  # whole bytes, rounded up
     weight_bytes = parameters * bytes_per_parameter
     weight_gib = weight_bytes / GIB

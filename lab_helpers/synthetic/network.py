@@ -2,7 +2,7 @@
 import math
 from dataclasses import asdict, dataclass, replace
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_device, parse_whole
 from lab_helpers.measurement.schema import (MAX_BATCH, MAX_CONTEXT, MAX_HIDDEN, MAX_PASSES, MAX_SEED,
                                             MAX_TENSOR_PARALLEL, MAX_WIDTH)
@@ -38,17 +38,18 @@ class MeasureConfig:
             if name == "hidden" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise LabError(f"--{name} must be an integer, got {type(value).__name__}")
-            parse_whole(value, f"--{name}", low, high)
+                raise ParameterError(name, f"must be an integer, got {type(value).__name__}")
+            parse_whole(value, name, low, high)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             shown = repr(self.dtype[:40]) if isinstance(self.dtype, str) else type(self.dtype).__name__
-            raise LabError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
+            raise ParameterError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {shown}")
         object.__setattr__(self, "_device_index", parse_device(self.device))
         if self.tensor_parallel is not None:
-            parse_whole(self.tensor_parallel, "--tensor-parallel", 1, MAX_TENSOR_PARALLEL)
+            parse_whole(self.tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
             if self.hidden_features % self.tensor_parallel:
-                raise LabError(f"--tensor-parallel {self.tensor_parallel} does not divide the hidden size "
-                               f"{self.hidden_features}: each rank holds hidden / N features of the first Linear")
+                raise ParameterError("tensor_parallel", f"{self.tensor_parallel} does not divide the hidden size "
+                                                        f"{self.hidden_features}: each rank holds hidden / N features "
+                                                        "of the first Linear")
         largest = max(self.batch * self.context * max(self.hidden_features, self.width),
                       self.hidden_features * self.width) * DTYPE_BYTES[self.dtype]
         if largest > MAX_TENSOR_BYTES:

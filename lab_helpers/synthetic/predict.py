@@ -7,7 +7,7 @@ from lab_helpers.allocator.expandable import CappedExpandableAllocator
 from lab_helpers.allocator.model import DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
 from lab_helpers.allocator.settings import (DEFAULT_SETTINGS, AllocatorSettings, parse_allocator_conf, recorded_settings,
                                             replay_allocator)
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.schema import (COUNTERS, MAX_PASSES, MAX_TENSOR_PARALLEL, MEASUREMENT_SCHEMA,
@@ -229,7 +229,10 @@ def compare(measurement: dict, workspace_bytes=None) -> dict:
     if problem:
         raise LabError(f"not a measurement: {problem[0]}: {problem[1]}")
     settings = {k: v for k, v in measurement["configuration"].items() if k != "kind"}
-    config = MeasureConfig(**settings)
+    try:
+        config = MeasureConfig(**settings)
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:
@@ -262,7 +265,7 @@ def _check_workspace(workspace_bytes) -> None:
     if len(workspace_bytes) > MAX_WORKSPACE_BLOCKS:
         raise LabError(f"at most {MAX_WORKSPACE_BLOCKS} workspace blocks, got {len(workspace_bytes)}")
     for size in workspace_bytes:
-        parse_whole(size, "--workspace-bytes", 0, MAX_WORKSPACE_BYTES)
+        parse_whole(size, "workspace_bytes", 0, MAX_WORKSPACE_BYTES)
 
 
 def _compare_phases(config: MeasureConfig, measured: list, workspace_bytes: tuple, hidden: int, where: str,

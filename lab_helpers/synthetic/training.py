@@ -9,7 +9,7 @@ at import: torch is imported inside the functions.
 from dataclasses import dataclass
 
 from lab_helpers.allocator.model import AllocatorModel, DEFAULT_WORKSPACE_BYTES, DEFAULT_WORKSPACE_SOURCE
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.files import SCHEMA_VERSION
 from lab_helpers.core.numbers import DTYPE_BYTES, parse_whole
 from lab_helpers.measurement.environment import environment_document
@@ -56,14 +56,15 @@ class TrainSettings:
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int):
-            raise LabError(f"--steps must be an integer, got {type(self.steps).__name__}")
-        parse_whole(self.steps, "--steps", 2, MAX_TRAIN_STEPS)
+            raise ParameterError("steps", f"must be an integer, got {type(self.steps).__name__}")
+        parse_whole(self.steps, "steps", 2, MAX_TRAIN_STEPS)
         if self.optimizer not in TRAIN_OPTIMIZERS:
-            raise LabError(f"--optimizer must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
+            raise ParameterError("optimizer", f"must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {str(self.optimizer)[:40]!r}")
         if not isinstance(self.fused, bool):
             raise LabError("fused must be true or false")
         if self.fused and self.optimizer != "adamw":
-            raise LabError("--fused is for --optimizer adamw only (SGD runs its default foreach implementation)")
+            raise ParameterError("fused", "is for {optimizer} adamw only (SGD runs its default foreach implementation)",
+                                 ("optimizer",))
 
     @property
     def implementation(self) -> str:
@@ -310,8 +311,11 @@ def compare_training(measurement: dict, workspace_bytes=None) -> dict:
         raise LabError(f"not a training measurement: {problem[0]}: {problem[1]}")
     configuration = measurement["configuration"]
     settings = settings_from_record(configuration)
-    config = MeasureConfig(**{k: v for k, v in configuration.items()
-                              if k in MeasureConfig.__dataclass_fields__})
+    try:
+        config = MeasureConfig(**{k: v for k, v in configuration.items()
+                                  if k in MeasureConfig.__dataclass_fields__})
+    except ParameterError as exc:  # a file's field refused in the words of the flag that sets it
+        raise LabError(exc.flagged(lambda name: True)) from None
     if workspace_bytes is None:
         workspace = {"bytes": list(DEFAULT_WORKSPACE_BYTES), "source": DEFAULT_WORKSPACE_SOURCE}
     else:

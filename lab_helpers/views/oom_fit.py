@@ -1,6 +1,6 @@
 """What fits under the budget of an out-of-memory failure: real_model fit's search on the run that the
 lab's out-of-memory file names. A prediction on PyTorch's meta device, never a measurement."""
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.core.text import printable
 from lab_helpers.real.config import parse_config
 from lab_helpers.real.fit import fit_model
@@ -22,14 +22,14 @@ def failure_budget(loaded: dict) -> tuple:
         reserved = sum(s["total_size"] for s in loaded["snapshot"]["segments"])
         free = loaded.get("device_free_bytes")
         if free is None:
-            raise LabError("--predict-fit needs the device's free bytes at the failure; the file does not say")
+            raise ParameterError("predict_fit", "needs the device's free bytes at the failure; the file does not say")
         where = "the snapshot's reserved and the device's free bytes"
     budget, how = reserved + free, f"reserved {reserved} + device free {free} bytes ({where})"
     cap = loaded.get("process_limit_bytes")
     if cap is not None and cap < budget:
         budget, how = cap, f"the per-process cap of {cap} bytes (less than {how})"
     if budget <= 0:
-        raise LabError("--predict-fit: the budget at the failure is 0 bytes")
+        raise ParameterError("predict_fit", ": the budget at the failure is 0 bytes")
     return budget, how
 
 
@@ -38,20 +38,22 @@ def add_fit_prediction(result: dict, loaded: dict) -> None:
     at its batch that fit the failure's budget, as real_model fit predicts them."""
     run = loaded.get("run")
     if run is None:
-        raise LabError("--predict-fit needs the run the file names (real_model measure --timeline writes it); "
-                       "this file names none")
+        raise ParameterError("predict_fit", "needs the run the file names (real_model measure --timeline writes "
+                                            "it); this file names none")
     configuration = run["configuration"]
     if configuration.get("tensor_parallel", 1) != 1:
-        raise LabError("--predict-fit: the file's run is tensor-parallel; one GPU's allocator is recorded")
+        raise ParameterError("predict_fit", ": the file's run is tensor-parallel; one GPU's allocator is recorded")
     name = configuration.get("config_name")
     if not isinstance(name, str) or not name or len(name) > 200:
-        raise LabError("--predict-fit: the run's config_name must be a non-empty string of at most 200 characters")
+        raise ParameterError("predict_fit", ": the run's config_name must be a non-empty string of at most 200 "
+                                            "characters")
     try:
         spec = RunSpec(printable(name), dtype=configuration.get("dtype"), batch=configuration.get("batch"),
                        context=configuration.get("context"), new_tokens=configuration.get("new_tokens"))
         shape = parse_config(run["model_config"], spec.config_name)
-    except LabError as exc:
-        raise LabError(f"--predict-fit: the file's run: {exc}") from None
+    except LabError as exc:  # a field of the run in the words of the flag that sets it
+        inner = exc.flagged(lambda name: True) if isinstance(exc, ParameterError) else str(exc)
+        raise ParameterError("predict_fit", f": the file's run: {inner}") from None
     budget, how = failure_budget(loaded)
     search = fit_model(shape, spec.dtype, spec.new_tokens, budget, f"the failure's budget: {how}",
                        batch=spec.batch, context=spec.context)
