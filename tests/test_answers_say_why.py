@@ -1,5 +1,7 @@
 """real_model's answers say why: a negative size is out of range (not a typing error), a GPU not on the
 card points to the flags that answer it anyway."""
+import json
+
 import pytest
 
 from lab_helpers.core.errors import LabError
@@ -39,7 +41,28 @@ def test_an_unknown_gpu_names_the_choices_then_the_other_ways():
     text = str(caught.value)
     assert text.startswith("unknown --gpu 'h9000'; valid choices: a10, a100-pcie-40gb, ")
     assert text.endswith("; or give the budget with --memory-bytes N, or a rate card that has it with "
-                         "fit --card --tariffs PATH")
+                         "--tariffs PATH")
+
+
+OWN_CARD = ("model_id,display_name,gpus_per_lot,memory_per_gpu_gib,duration_days,lot_price_cents,currency,"
+            "snapshot_date,provenance\n" + "".join(
+                f"my-gpu,My GPU,1,48,{days},1000,USD,2026-12-01,quoted to me\n" for days in (3, 7, 30)))
+
+
+@pytest.mark.parametrize("command", ["fit", "predict"])
+def test_a_gpu_model_of_ones_own_card_is_read_with_tariffs(tmp_path, capsys, command):
+    card = tmp_path / "card.csv"
+    card.write_text(OWN_CARD)
+    run = ["--config", "qwen1.5-0.5b", "--batch", "1", "--context", "64", "--new-tokens", "2", "--gpu", "my-gpu"]
+    code, out, err = run_main(capsys, command, *run, "--tariffs", card)
+    assert code == 0, err
+    # a GPU model the lab never measured: floor(48 x 149380136960 / 141), derived, not measured
+    answer = json.loads(out)
+    assert (answer["budget_bytes"] if command == "fit" else answer["budget"]["bytes"]) == 50852812582
+    code, out, err = run_main(capsys, command, *run)
+    assert code == 2 and out == "" and err[0].startswith("real_model: error: unknown --gpu 'my-gpu'"), err
+    code, out, err = run_main(capsys, command, *run[:-2], "--tariffs", card)
+    assert code == 2 and "--tariffs" in err[0] and "--gpu" in err[0], err
 
 
 def table_of(capsys, *argv):

@@ -277,7 +277,7 @@ def test_hostile_flags(extra, message, capsys):
     (["fit", "--config", "qwen1.5-0.5b", "--batch", "1", "--new-tokens", "1", "--days", "7"],
      "--days only go with --card"),
     (["fit", "--config", "qwen1.5-0.5b", "--batch", "1", "--new-tokens", "1", "--accepted-results", "3",
-      "--tariffs", "x.csv"], "--accepted-results, --tariffs only go with --card"),
+      "--tariffs", "x.csv"], "--accepted-results, --tariffs only go with --card (--tariffs also with --gpu)"),
     (["fit", "--card", "--config", "no-such-model", "--batch", "1", "--context", "8", "--new-tokens", "1",
       "--days", "7"], "neither a file nor a bundled config"),
     (["fit", "--card", "--config", "qwen1.5-0.5b", "--batch", "1", "--context", "8", "--days", "7"],

@@ -119,6 +119,8 @@ def add_budget_flags(p) -> None:
     budget.add_argument("--gpu", metavar="MODEL_ID", help="a model_id of the rate card data/tarifs-forfaits.csv")
     budget.add_argument("--device", default=None, metavar="cuda:N",
                         help="the GPU whose usable memory is measured now and is the budget")
+    group.add_argument("--tariffs", metavar="PATH",
+                       help="with --gpu: the rate card CSV the GPU model is read from (default data/tarifs-forfaits.csv)")
 
 
 NO_CACHE_HELP = ("trace the run again: neither read nor write the traces kept in the user's cache folder "
@@ -185,7 +187,8 @@ def add_fit_arguments(p) -> None:
                    help=f"with --card: results accepted over the whole forfait, 1 to {MAX_ACCEPTED_RESULTS}; adds "
                         "the cost per accepted result (rounded half up to the cent, as calcul_forfaits does)")
     p.add_argument("--tariffs", metavar="PATH",
-                   help="with --card: a rate card CSV (default data/tarifs-forfaits.csv)")
+                   help="with --card, or with --gpu (the GPU model read from it): a rate card CSV (default "
+                        "data/tarifs-forfaits.csv)")
     add_model_train_flags(p)
     _format_flag(p)
 
@@ -209,7 +212,11 @@ def handle_predict(args) -> int:
     check_quantize_flags(args)
     settings = allocator_settings(args.allocator_conf)
     # the rate card's budget, and whether a GPU can be measured, before the config is read
-    card_budget = gpu_budget(args.gpu, tensor_parallel=args.tensor_parallel) if args.gpu else None
+    if args.tariffs is not None and args.gpu is None:
+        raise LabError("--tariffs only goes with --gpu (the rate card the GPU model is read from)")
+    if args.tariffs == "":
+        raise LabError("--tariffs: the path is empty")
+    card_budget = gpu_budget(args.gpu, args.tariffs, tensor_parallel=args.tensor_parallel) if args.gpu else None
     if args.device is not None:
         refuse_budget_without_gpu(args.device)
     raw_config = checked_config(args)
@@ -281,7 +288,7 @@ def handle_fit(args) -> int:
     # the rate card (or the one GPU model asked of it), and whether a GPU can be measured, before the
     # config is read
     card = read_card(args.tariffs) if args.card else None
-    entry = gpu_budget_entry(args.gpu, tensor_parallel=degree) if args.gpu else None
+    entry = gpu_budget_entry(args.gpu, args.tariffs, tensor_parallel=degree) if args.gpu else None
     if not args.card and args.gpu is None and args.memory_bytes is None:
         refuse_budget_without_gpu(args.device or "cuda:0")
     raw_config = checked_config(args)

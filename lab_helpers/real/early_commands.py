@@ -42,10 +42,15 @@ def check_card_flags(args) -> None:
         if args.tariffs == "":
             raise LabError("--tariffs: the path is empty")
         return
-    extra = [flag for flag, value in (("--days", args.days), ("--accepted-results", args.accepted_results),
-                                      ("--tariffs", args.tariffs)) if value is not None]
+    extra = [flag for flag, value in (("--days", args.days), ("--accepted-results", args.accepted_results))
+             if value is not None]
+    if args.tariffs is not None and args.gpu is None:
+        extra.append("--tariffs")
     if extra:
-        raise LabError(f"{', '.join(extra)} only go with --card")
+        raise LabError(f"{', '.join(extra)} only go with --card" + (" (--tariffs also with --gpu)"
+                                                                    if "--tariffs" in extra else ""))
+    if args.tariffs == "":
+        raise LabError("--tariffs: the path is empty")
 
 
 def check_train_card_flags(args) -> None:

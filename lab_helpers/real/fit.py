@@ -80,7 +80,7 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
         # a GPU the card lacks is still answered: by its budget in bytes, or by a card that has it
         choices = ", ".join(sorted({r["model_id"] for r in rows}))
         raise LabError(f"unknown --gpu {gpu!r}; valid choices: {choices}; "
-                       "or give the budget with --memory-bytes N, or a rate card that has it with fit --card --tariffs PATH")
+                       "or give the budget with --memory-bytes N, or a rate card that has it with --tariffs PATH")
     return rank_budget(gpu, found[0]["memory_per_gpu_gib"], tensor_parallel)
 
 

@@ -137,7 +137,7 @@ def fit_train_command(args) -> int:
     train_spec_from_args(args, "unread", sizes=sizes)
     check_packages(args)
     # the rate card's budget, and whether a GPU can be measured, before the config is read
-    card_budget = gpu_budget(args.gpu) if args.gpu else None
+    card_budget = gpu_budget(args.gpu, args.tariffs) if args.gpu else None
     device = args.device or "cuda:0"
     if card_budget is None and not args.memory_bytes:
         refuse_budget_without_gpu(device)
