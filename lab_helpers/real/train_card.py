@@ -21,6 +21,7 @@ from lab_helpers.real.card_fit import (UNCAPPED_BUDGET_BYTES, capped_where_neede
                                        card_heading, card_models, check_request, gpu_budget_bytes, priced_entry,
                                        read_card)
 from lab_helpers.real.config import ModelShape
+from lab_helpers.real.progress import progress_bar
 from lab_helpers.real.train import TrainSpec, predict_training_model
 from lab_helpers.real.train_fit import TRAIN_FIT_CRITERION, TRAIN_FIT_STEPS
 
@@ -90,7 +91,8 @@ def cheapest_training_forfaits(shape: ModelShape, spec: TrainSpec, days: int, ro
     spec = replace(spec, steps=TRAIN_FIT_STEPS)
     fits = training_fits(shape, spec) if fits is None else fits
     cache, fitting, not_fitting, refused = {}, [], [], []
-    for gpu, row in card_models(rows, days).items():
+    models = card_models(rows, days)
+    for gpu, row in progress_bar(len(models), "card: GPU models", "GPU model", models.items()):
         budget = gpu_budget_bytes(row)
         point = capped_where_needed(cache, fits, TRAIN_CARD_DEGREE, budget["budget_bytes"])
         entry = card_entry(gpu, row, budget, point["fits"])
