@@ -5,17 +5,10 @@ import json
 import pytest
 
 from lab_helpers.core.errors import LabError
-from lab_helpers.real.commands import main
+from test_real_model import run_main
 from lab_helpers.real.fit import gpu_budget_entry
 
 
-def run_main(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
 
 
 @pytest.mark.parametrize("flag,value,said", [
