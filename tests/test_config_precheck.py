@@ -94,7 +94,8 @@ def test_a_hugging_face_id_gets_the_closest_bundled_name_and_how_to_pass_a_confi
     with pytest.raises(ConfigError) as caught:
         precheck_config(typed)
     message = str(caught.value)
-    assert message.startswith(f"--config {typed} is neither a file nor a bundled config (")
+    # a library caller reads the parameter, config; the command line prints its flag, --config
+    assert message.startswith(f"config {typed} is neither a file nor a bundled config (")
     assert message.endswith(SUGGEST)
     assert (f"did you mean {close}? " in message) if close else "did you mean" not in message
 
