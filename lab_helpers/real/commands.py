@@ -120,7 +120,8 @@ def add_budget_flags(p) -> None:
     budget.add_argument("--device", default=None, metavar="cuda:N",
                         help="the GPU whose usable memory is measured now and is the budget")
     group.add_argument("--tariffs", metavar="PATH",
-                       help="with --gpu: the rate card CSV the GPU model is read from (default data/tarifs-forfaits.csv)")
+                       help="with --gpu: the rate card CSV the GPU model is read from (default "
+                            "data/tarifs-forfaits.csv)")
 
 
 NO_CACHE_HELP = ("trace the run again: neither read nor write the traces kept in the user's cache folder "
@@ -306,7 +307,8 @@ def handle_fit(args) -> int:
     else:
         check_tensor_parallel(shape, degree)
         if entry is not None:
-            budget, source, label = entry["rank_budget_bytes"], budget_source_text(entry, degree), entry["memory_source"]
+            budget, label = entry["rank_budget_bytes"], entry["memory_source"]
+            source = budget_source_text(entry, degree)
         elif args.memory_bytes:
             budget, source, label = args.memory_bytes, "given with --memory-bytes", "given"
         else:

@@ -26,7 +26,8 @@ def check_packages(args) -> None:
 
 
 def check_card_flags(args) -> None:
-    """The one home of the --card rules. Raise LabError when real_model fit's flags mix --card with a single budget, or lack a size."""
+    """The one home of the --card rules: LabError when real_model fit's flags mix --card with a single
+    budget or lack a size, or give --card's own flags without it (--tariffs also goes with --gpu)."""
     if args.card:
         if args.gpu is not None or args.memory_bytes is not None:
             raise LabError("--card compares every GPU model of the rate card: give neither --gpu nor --memory-bytes")
@@ -96,7 +97,7 @@ def refuse_budget_without_gpu(device: str) -> None:
 
 
 def checked_config(args):
-    """The config of --config, its file and raw keys checked (lab_helpers.real.config.precheck_config)."""
+    """The config of --config, its file and raw keys checked (lab_helpers.real.raw_config.precheck_config)."""
     return precheck_config(args.config)
 
 
