@@ -159,3 +159,31 @@ def test_fit_task_train_names_its_bounds(capsys, tmp_path):
                      "--memory-bytes", 2**30)
     assert "largest context at batch 2: 2442 (bound: memory)" in lines
     assert "largest batch at context 16: 2528 (bound: search bound)" in lines
+
+
+def test_the_card_table_says_what_bounds_each_gpu_model_that_does_not_fit():
+    from conftest import ROOT
+    from lab_helpers.pricing.card import load_card
+    from lab_helpers.real.card_fit import cheapest_forfaits
+    from lab_helpers.real.card_tables import format_card_fit
+    from lab_helpers.real.config import parse_config
+    from lab_helpers.real.spec import RunSpec
+    tiny = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128}
+    rows = load_card(ROOT / "data" / "tarifs-forfaits.csv")
+    small = 30 * 2**30  # the card's 24 GB models are below it
+
+    def fits(degree, budget):
+        if budget < small:
+            return {"fits": False, "reason": "out of memory in the replayed allocator: 7 more bytes needed"}
+        return {"fits": True, "peak_reserved_bytes": small, "peak_allocated_bytes": small // 2}
+    result = cheapest_forfaits(parse_config(tiny, "tiny"), RunSpec("tiny", batch=1, context=8, new_tokens=2), 7,
+                               rows, fits=fits, max_degree=1)
+    table = format_card_fit(result)
+    lines, words = table.splitlines(), " ".join(table.split())  # a long line wraps at 120 columns
+    refused = sorted(row["gpu"] for row in result["rows"] if not row["fits"])
+    assert refused == ["a10", "l4"]
+    for gpu in refused:
+        assert (f"Not fitting, {gpu}: does not fit at any allowed degree (1); at 1: out of memory in the replayed "
+                f"allocator: 7 more bytes needed.") in words
+    assert max(map(len, lines)) <= 120

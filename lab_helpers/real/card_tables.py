@@ -63,7 +63,10 @@ def card_fit_table(result: dict, run: str, before: list, after: list) -> str:
     lines = [f"{run}: {result['days']}-day forfaits of {result['rate_card']} (snapshot {result['snapshot_date']})",
              text_table(columns, [[r[k] for k in columns] for r in rows], width=LINE_WIDTH, keep=2, left=True,
                         bands=bands)]
-    lines += ["", *before, f"Order: {result['order']}.",
+    # each GPU model that does not fit says what bound it: the rows' "reason", as the JSON has it
+    why = [f"Not fitting, {row['gpu']}: {row['reason']}." for row in result["rows"]
+           if not row["fits"] and row.get("reason")]
+    lines += ["", *why, *([""] if why else []), *before, f"Order: {result['order']}.",
               f"Memory per GPU (budget): {MEASURED} = {result['memory_rule'][MEASURED]}; "
               f"{DERIVED} = {result['memory_rule'][DERIVED]}.", *after]
     if result["accepted_results"] is not None:
