@@ -43,12 +43,14 @@ class ParameterError(LabError):
     """One parameter's value is refused: the message names the parameter as the caller gave it
     ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is
     (lab_helpers.core.cli). The other parameters a problem names are written {name} in it and listed
-    in `others`: a caller reads the name, the command line the flag."""
+    in `others`: a caller reads the name, the command line the flag. With `parameter` None the
+    refusal is no one parameter's and `problem` is the whole message ("give {batch}, {context} or
+    both")."""
 
-    def __init__(self, parameter: str, problem: str, others: tuple = ()):
+    def __init__(self, parameter: "str | None", problem: str, others: tuple = ()):
         self.parameter, self.others, self.template = parameter, tuple(others), problem
         self.problem = self.worded(lambda name: name)
-        super().__init__(f"{parameter}{self._gap()}{self.problem}")
+        super().__init__(self.problem if parameter is None else f"{parameter}{self._gap()}{self.problem}")
 
     def worded(self, name_of) -> str:
         """The problem with each of `others` written as `name_of(name)`."""
@@ -62,6 +64,8 @@ class ParameterError(LabError):
         written as its flag (new_tokens -> --new-tokens)."""
         def named(name):
             return f"--{name.replace('_', '-')}" if name.isidentifier() and is_flag(name) else name
+        if self.parameter is None:
+            return self.worded(named)
         return f"{named(self.parameter)}{self._gap()}{self.worded(named)}"
 
     def _gap(self) -> str:

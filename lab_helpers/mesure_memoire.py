@@ -456,12 +456,14 @@ class ParameterError(LabError):
     """One parameter's value is refused: the message names the parameter as the caller gave it
     ("days must be one of 3, 7, 30, got 9"); the command line names the flag whose dest it is
     (lab_helpers.core.cli). The other parameters a problem names are written {name} in it and listed
-    in `others`: a caller reads the name, the command line the flag."""
+    in `others`: a caller reads the name, the command line the flag. With `parameter` None the
+    refusal is no one parameter's and `problem` is the whole message ("give {batch}, {context} or
+    both")."""
 
-    def __init__(self, parameter: str, problem: str, others: tuple = ()):
+    def __init__(self, parameter: "str | None", problem: str, others: tuple = ()):
         self.parameter, self.others, self.template = parameter, tuple(others), problem
         self.problem = self.worded(lambda name: name)
-        super().__init__(f"{parameter}{self._gap()}{self.problem}")
+        super().__init__(self.problem if parameter is None else f"{parameter}{self._gap()}{self.problem}")
 
     def worded(self, name_of) -> str:
         """The problem with each of `others` written as `name_of(name)`."""
@@ -475,6 +477,8 @@ class ParameterError(LabError):
         written as its flag (new_tokens -> --new-tokens)."""
         def named(name):
             return f"--{name.replace('_', '-')}" if name.isidentifier() and is_flag(name) else name
+        if self.parameter is None:
+            return self.worded(named)
         return f"{named(self.parameter)}{self._gap()}{self.worded(named)}"
 
     def _gap(self) -> str:
@@ -2741,8 +2745,8 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     except Exception as exc:  # a broken driver reads as no device, with its reason
         raise LabError(f"no CUDA device is usable by torch ({safe_reason(exc)})") from None
     if visible == 0:
-        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
-                       "per rank and never falls back to the CPU")
+        raise ParameterError(None, f"no CUDA device is visible to torch; {{tensor_parallel}} {tensor_parallel} needs one "
+                             "GPU per rank and never falls back to the CPU", ("tensor_parallel",))
     if info.local_world_size > visible:
         raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
                        "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")
@@ -4526,7 +4530,8 @@ def predict_training(config: MeasureConfig, settings: TrainSettings, workspace_b
     device, every request replayed on the allocator model. Each phase also has
     ``end_allocated_bytes_by_kind`` (TRAIN_KINDS; they add up to end_allocated_bytes)."""
     if config.tensor_parallel is not None:
-        raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
+        raise ParameterError(None, "tensor-parallel training is out of scope: leave {tensor_parallel} out with {task} train",
+                             ("tensor_parallel", "task"))
     workspace_bytes = tuple(workspace_bytes)
     torch = _import_torch_for_prediction()
     backward_workspace = workspace_bytes[:1]

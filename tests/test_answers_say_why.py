@@ -32,9 +32,9 @@ def test_an_unknown_gpu_names_the_choices_then_the_other_ways():
     with pytest.raises(LabError) as caught:
         gpu_budget_entry("h9000")
     text = str(caught.value)
-    assert text.startswith("unknown --gpu 'h9000'; valid choices: a10, a100-pcie-40gb, ")
-    assert text.endswith("; or give the budget with --memory-bytes N, or a rate card that has it with "
-                         "--tariffs PATH")
+    # a library caller reads the parameters' names; the command line their flags (below)
+    assert text.startswith("unknown gpu 'h9000'; valid choices: a10, a100-pcie-40gb, ")
+    assert text.endswith("; or give the budget with memory_bytes N, or a rate card that has it with tariffs PATH")
 
 
 OWN_CARD = ("model_id,display_name,gpus_per_lot,memory_per_gpu_gib,duration_days,lot_price_cents,currency,"

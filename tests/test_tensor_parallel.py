@@ -77,7 +77,7 @@ BAD_ENVIRONMENTS = [
     ("local-world-size-above-world", with_env(LOCAL_WORLD_SIZE="3"), 2,
      "the launcher's LOCAL_WORLD_SIZE 3 is not between 1 and its WORLD_SIZE 2"),
     # a CPU build of torch sees no device: the last check refuses before any process group exists
-    ("no-cuda-device", GOOD_ENV, 2, "no CUDA device is visible to torch; --tensor-parallel 2 needs one GPU per rank"),
+    ("no-cuda-device", GOOD_ENV, 2, "no CUDA device is visible to torch; tensor_parallel 2 needs one GPU per rank"),
 ]
 
 

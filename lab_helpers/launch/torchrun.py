@@ -132,8 +132,8 @@ def launch_info(tensor_parallel: int, command, environ=None) -> LaunchInfo:
     except Exception as exc:  # a broken driver reads as no device, with its reason
         raise LabError(f"no CUDA device is usable by torch ({safe_reason(exc)})") from None
     if visible == 0:
-        raise LabError(f"no CUDA device is visible to torch; --tensor-parallel {tensor_parallel} needs one GPU "
-                       "per rank and never falls back to the CPU")
+        raise ParameterError(None, f"no CUDA device is visible to torch; {{tensor_parallel}} {tensor_parallel} needs one "
+                             "GPU per rank and never falls back to the CPU", ("tensor_parallel",))
     if info.local_world_size > visible:
         raise LabError(f"{info.local_world_size} ranks on this machine (LOCAL_WORLD_SIZE) but {visible} GPU(s) "
                        "visible: one GPU per rank; lower --nproc-per-node and --tensor-parallel")

@@ -52,7 +52,7 @@ def usable_memory_bytes(device: str = "cuda:0") -> int:
     import torch
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         # the probe's own failure would name torch internals (a build without CUDA has no _cuda_setDevice)
-        raise LabError(f"no GPU visible as {device}: give --gpu or --memory-bytes")
+        raise ParameterError(None, f"no GPU visible as {device}: give {{gpu}} or {{memory_bytes}}", ("gpu", "memory_bytes"))
     answer = usable_memory(index, command=[sys.executable, "-c", USABLE_PROBE, str(index)])
     if not isinstance(answer["usable_memory_bytes"], int):
         raise LabError(f"cannot measure the usable memory of {device} "
@@ -79,8 +79,9 @@ def gpu_budget_entry(gpu: str, tariffs=None, tensor_parallel: int = 1) -> dict:
     if not found:
         # a GPU the card lacks is still answered: by its budget in bytes, or by a card that has it
         choices = ", ".join(sorted({r["model_id"] for r in rows}))
-        raise LabError(f"unknown --gpu {gpu!r}; valid choices: {choices}; "
-                       "or give the budget with --memory-bytes N, or a rate card that has it with --tariffs PATH")
+        raise ParameterError(None, f"unknown {{gpu}} {gpu!r}; valid choices: {choices}; or give the budget with "
+                             "{memory_bytes} N, or a rate card that has it with {tariffs} PATH",
+                             ("gpu", "memory_bytes", "tariffs"))
     return rank_budget(gpu, found[0]["memory_per_gpu_gib"], tensor_parallel)
 
 
@@ -219,7 +220,7 @@ def fit_model(shape: ModelShape, dtype: str, new_tokens: int, budget_bytes: int,
     the same and the collectives symmetric; a rank's number reaches no size of this protocol, so
     every rank's trace is rank 0's (predict runs them all, and the tests compare them)."""
     if batch is None and context is None:
-        raise LabError("give --batch, --context or both")
+        raise ParameterError(None, "give {batch}, {context} or both", ("batch", "context"))
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
     base = RunSpec(shape.name, dtype=dtype, batch=batch or 1, context=context or 1, new_tokens=new_tokens,

@@ -87,7 +87,7 @@ class TrainSpec:
                 raise ParameterError(name, f"must be a whole number from {low} to {high} with {{task}} train, got {value!r}",
                                      ("task",))
         if self.batch * self.context > MAX_TRAIN_TOKENS:
-            raise LabError(f"batch x context must be at most {MAX_TRAIN_TOKENS} with --task train")
+            raise ParameterError(None, f"batch x context must be at most {MAX_TRAIN_TOKENS} with {{task}} train", ("task",))
         if self.optimizer not in TRAIN_OPTIMIZERS:
             raise ParameterError("optimizer", f"must be one of {', '.join(TRAIN_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fused and self.optimizer != "adamw":

@@ -2,7 +2,7 @@
 from predictions of the traced training run under a replayed allocator capped at the budget."""
 from dataclasses import replace
 
-from lab_helpers.core.errors import LabError
+from lab_helpers.core.errors import LabError, ParameterError
 from lab_helpers.real.config import ModelShape
 from lab_helpers.real.search import Probe, largest_fitting
 from lab_helpers.real.spec import MAX_MODEL_BATCH, MAX_MODEL_CONTEXT
@@ -35,7 +35,7 @@ def fit_training(shape: ModelShape, base: TrainSpec, budget_bytes: int, budget_s
     for the fine-tuning run `base` (its optimizer, what is trained, checkpointing) of two steps."""
     from lab_helpers.allocator.budget import OutOfMemory
     if batch is None and context is None:
-        raise LabError("give --batch, --context or both")
+        raise ParameterError(None, "give {batch}, {context} or both", ("batch", "context"))
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise LabError(f"the memory budget must be a whole number of bytes > 0, got {budget_bytes!r}")
     base = replace(base, steps=TRAIN_FIT_STEPS)

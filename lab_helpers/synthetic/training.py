@@ -181,7 +181,8 @@ def predict_training(config: MeasureConfig, settings: TrainSettings, workspace_b
     device, every request replayed on the allocator model. Each phase also has
     ``end_allocated_bytes_by_kind`` (TRAIN_KINDS; they add up to end_allocated_bytes)."""
     if config.tensor_parallel is not None:
-        raise LabError("tensor-parallel training is out of scope: leave --tensor-parallel out with --task train")
+        raise ParameterError(None, "tensor-parallel training is out of scope: leave {tensor_parallel} out with {task} train",
+                             ("tensor_parallel", "task"))
     workspace_bytes = tuple(workspace_bytes)
     torch = _import_torch_for_prediction()
     backward_workspace = workspace_bytes[:1]
