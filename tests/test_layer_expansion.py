@@ -137,6 +137,36 @@ def test_runs_traced_in_one_session_equal_runs_each_traced_in_a_fresh_one(name, 
     assert session._layers.layouts  # filled by the first run, read by the next ones
 
 
+def test_the_next_session_on_the_same_cache_reuses_its_expansion_and_traces_the_same_runs(monkeypatch):
+    """A notebook's next question on the same model (a new TraceSession over the process's cache) traces
+    its runs on the expansion the first question prepared, not on two smaller models built again; the
+    runs equal those of a session over a fresh cache. A tensor-parallel rank's expansion is not kept (its
+    models hold one question's fake process group), nor one of another model or dtype."""
+    prepared = []
+    original = layer_module.LayerExpansion.prepare.__func__
+
+    def counting(cls, shape, dtype, *rest):
+        prepared.append((shape.name, dtype))
+        return original(cls, shape, dtype, *rest)
+
+    monkeypatch.setattr(layer_module.LayerExpansion, "prepare", classmethod(counting))
+    shape, other = shape_of("llama-3.1-8b", 9, vocab_size=1000), shape_of("qwen2.5-7b", 9)
+    cache = TraceCache(None)
+    for batch, context in [(2, 37), (3, 41)]:  # the second is a new run: traced, on the kept expansion
+        session = TraceSession(shape, "bfloat16", 1, 0, cache, expand=False, expand_layers=True)
+        run = session.run(batch, context, 3)
+        fresh = TraceSession(shape, "bfloat16", 1, 0, TraceCache(None), expand=False, expand_layers=True)
+        assert session.layer_expanded == [(batch, context, 3)]
+        assert (run.phases, run.persistent) == (lambda r: (r.phases, r.persistent))(fresh.run(batch, context, 3))
+    TraceSession(shape, "float32", 1, 0, cache, expand=False, expand_layers=True).run(2, 37, 3)
+    TraceSession(other, "bfloat16", 1, 0, cache, expand=False, expand_layers=True).run(2, 37, 3)
+    with fake_process_group(0, 2) as mesh:
+        for context in (37, 38):
+            TraceSession(other, "bfloat16", 2, 0, cache, expand=False, expand_layers=True).run(2, context, 3, mesh)
+    assert prepared == [(shape.name, "bfloat16")] * 3 + [(shape.name, "float32"), (other.name, "bfloat16")] + \
+        [(other.name, "bfloat16")] * 2
+
+
 @pytest.mark.parametrize("name, layers, changes, degree", SHARED_CASES)
 def test_the_larger_trace_made_in_a_child_equals_the_one_made_here(name, layers, changes, degree, monkeypatch):
     """The smaller models' two traces of a run: the larger one traced in a forked child (a second core)

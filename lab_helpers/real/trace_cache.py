@@ -26,6 +26,7 @@ MAX_ENTRY_BYTES = 128 * 2**20  # one entry on disk; a bigger file is not read
 MAX_EVENTS = 2**26  # events of one entry, once decompressed (8 bytes each)
 MAX_MEMORY_EVENTS = 2**22  # events kept in memory in all (about 36 bytes each in Python lists)
 PHASE_NAMES = ("inputs", "prefill", "decode")
+MAX_KEPT_EXPANSIONS = 4  # layer expansions kept in memory (two small models on meta each, a few MiB)
 
 
 def cache_folder() -> Path:
@@ -178,6 +179,11 @@ class TraceCache:
         self.folder = cache_folder() if folder == "default" else (None if folder is None else Path(folder))
         self.max_bytes = max_bytes
         self.memory = {}  # name -> trace, least recently used first
+        # the layer expansions of tensor-parallel-1 sessions (lab_helpers.real.traces), in memory only:
+        # the next question on the same model traces its runs on the same two smaller models, built
+        # and their loads traced once in this process (a rank's models at N > 1 hold the fake process
+        # group of one question, so they are not kept)
+        self.expansions = {}
 
     @staticmethod
     def shape_key(raw: dict) -> dict:
@@ -190,6 +196,16 @@ class TraceCache:
         total = sum(map(_event_count, self.memory.values()))
         while total > MAX_MEMORY_EVENTS and len(self.memory) > 1:
             total -= _event_count(self.memory.pop(next(iter(self.memory))))
+
+    def expansion(self, key: dict, prepare):
+        """The layer expansion kept for `key` (a base_key), else `prepare()`'s, kept: the last
+        MAX_KEPT_EXPANSIONS models asked."""
+        name = self._name(key)
+        found = self.expansions.pop(name) if name in self.expansions else prepare()
+        self.expansions[name] = found
+        while len(self.expansions) > MAX_KEPT_EXPANSIONS:
+            self.expansions.pop(next(iter(self.expansions)))
+        return found
 
     @staticmethod
     def _name(key: dict) -> str:

@@ -74,8 +74,9 @@ class TraceSession:
         if self._layers is None:
             if self.tensor_parallel > 1 and mesh is None:
                 raise ModelNeeded
-            self._layers = LayerExpansion.prepare(self.shape, self.dtype, self.tensor_parallel, mesh,
-                                                  self.model) or False
+            def prepare():
+                return LayerExpansion.prepare(self.shape, self.dtype, self.tensor_parallel, mesh, self.model) or False
+            self._layers = self.cache.expansion(self.key, prepare) if self.tensor_parallel == 1 else prepare()
         if self._layers is False:
             return None
         return self._layers.run(spec, self._load, steps)
