@@ -357,7 +357,8 @@ def test_fit_stops_at_its_prediction_bound_and_says_so(tmp_path, monkeypatch):
 
     def counted(shape, spec, budget, loaded):
         calls.append((spec.batch, spec.context))
-        return {"fits": True, "peak_reserved_bytes": 1, "peak_allocated_bytes": 1}
+        # every size fits, and no peaks are known: the search cannot aim at the bound, only double
+        return {"fits": True}
 
     monkeypatch.setattr(fit_module, "_fits", counted)
     monkeypatch.setattr(fit_module, "load_for_prediction", lambda *a, **k: {"weights_bytes": 0})

@@ -129,6 +129,32 @@ def test_the_edges_of_the_range(high, start, truth):
     assert all(1 <= v <= high for v in asked) and len(asked) == len(set(asked))
 
 
+@pytest.mark.parametrize("start", [None, 1, 4096])
+def test_where_the_lines_keep_the_bound_within_the_budget_the_bound_is_probed_next(start):
+    """A model whose positions bound the answer (every size fits): after two sizes that fit, the line
+    through their peaks stays within the budget at the bound, so the bound is the third probe, not
+    the end of a gallop of doublings; where the line leaves the budget before it, the bound is not probed."""
+    high = 130816
+    asked = []
+
+    def probe(v):
+        asked.append(v)
+        return Probe(True, 10**9 + v * 10**5, 10**9 + v * 10**5)
+
+    assert largest_fitting(probe, high, BUDGET, start) == (high, False)
+    first = start or 1
+    assert asked == [first, 2 * first, high]
+    asked.clear()
+    steep = 10**9 + 2 * first * 10**6  # the peaks' line leaves the budget far below the bound
+
+    def probe_steep(v):
+        asked.append(v)
+        return Probe(v * steep <= BUDGET * first, v * steep // first, v * steep // first)
+
+    found, _ = largest_fitting(probe_steep, high, BUDGET, start)
+    assert high not in asked and found == BUDGET * first // steep
+
+
 @pytest.mark.parametrize("bound", [0, 1, 2, 5])
 def test_a_bounded_search_keeps_a_size_that_fits_and_says_it_stopped(bound):
     asked = []

@@ -12,8 +12,11 @@ largest.
 Only the order of the probes is chosen, from the probes' peaks: a run's peak grows almost affinely
 with its batch and context (weights fixed, activations and key/value cache proportional), so the size
 where the peak meets the budget is interpolated from the probes nearest to it (regula falsi, in
-integers), and a round that does not halve the bracket is followed by a bisection: no search takes
-more than about twice the probes of a bisection, and most take a few.
+integers). Before any size has failed, the bound itself is probed where the line through the two
+largest sizes that fit stays within the budget up to it (the model's positions, not memory, bound
+the answer), else the search doubles. Once one has failed, a round that does not halve the bracket
+is followed by a bisection: no search takes more than about twice the probes of a bisection, and
+most take a few (the predictions of real fits are in benchmarks/fast_answers_results.md).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -59,13 +62,14 @@ def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = N
     reserved, allocated = {}, {}
     # A round probes where the peak reserved is expected to meet the budget, then one past where the
     # peak allocated is: the boundary lies between them, so where the peaks are close to affine in the
-    # size the round closes the bracket or leaves it narrow. A round that does not halve the bracket is
-    # followed by a bisection. Where fewer than two peaks are known, the search doubles the largest size
-    # that fits until one does not (few probes when the answer is far below the bound), then bisects.
+    # size the round closes the bracket or leaves it narrow. Once a size has failed, a round that does
+    # not halve the bracket is followed by a bisection (the first failure only ends the climb: the bound
+    # above it was no probe's). Where fewer than two peaks are known, the search doubles the largest
+    # size that fits until one does not (few probes when the answer is far below the bound).
     pending = [start] if start is not None and 1 <= start <= high else []
     bisect_next = False
     while top - low > 1:
-        width = top - low
+        width, failed_before = top - low, top <= high
         guessed = not pending and not bisect_next
         if pending:
             sizes, pending = pending, []
@@ -74,8 +78,12 @@ def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = N
                                        _crossing(low, top, allocated, budget_bytes, past=1)) if size is not None]
         else:
             sizes = []
-        if not sizes and top > high:  # no size has failed yet: gallop up from the largest that fits
-            sizes, guessed = [min(max(2 * low, 1), high)], False
+        if not sizes and top > high:  # no size has failed yet
+            # the bound itself where the line through the two largest sizes that fit keeps the peak
+            # reserved within the budget up to it (a model whose positions, not memory, bound the
+            # answer: one probe instead of a gallop's doublings), else gallop up from the largest
+            sizes = [high if guessed and _within_at(high, low, reserved, budget_bytes) else min(max(2 * low, 1), high)]
+            guessed = False
         elif not sizes:
             sizes, guessed = [(low + top) // 2], False
         for size in sizes:
@@ -94,7 +102,7 @@ def largest_fitting(probe, high: int, budget_bytes: int, start: "int | None" = N
                 low = size
             else:
                 top = size
-        bisect_next = guessed and 2 * (top - low) > width
+        bisect_next = guessed and failed_before and 2 * (top - low) > width
     return low, False
 
 
@@ -118,6 +126,17 @@ def _crossing(low: int, top: int, peaks: dict, budget_bytes: int, past: int = 0)
         return None
     size = a + (budget_bytes - peak_a) * (b - a) // rise + past
     return size if low < size < top else None
+
+
+def _within_at(size: int, low: int, peaks: dict, budget_bytes: int) -> bool:
+    """Does the line through the peaks of the two largest known sizes up to `low` stay within the budget
+    at `size`? False where fewer than two are known."""
+    below = sorted(known for known in peaks if known <= low)
+    if len(below) < 2:
+        return False
+    a, b = below[-2], below[-1]
+    peak_a, peak_b = _peak(peaks[a]), _peak(peaks[b])
+    return peak_b + (peak_b - peak_a) * (size - b) // (b - a) <= budget_bytes
 
 
 def _peak(value) -> int:
