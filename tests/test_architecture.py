@@ -360,8 +360,24 @@ SMALL_RUN = ["--batch", "1", "--context", "128", "--new-tokens", "4"]
 CHILD = r"""
 import json, sys
 argv, hidden = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+unloadable = json.loads(sys.argv[3]) if len(sys.argv) > 3 else []
 for name in hidden:
     sys.modules[name] = None  # importlib.util.find_spec then finds nothing, and import fails
+import importlib.abc, importlib.machinery
+class Unloadable(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # found where it is installed (its files readable), but its code never runs: an import fails
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] not in unloadable:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = self
+        return spec
+    def create_module(self, spec):
+        raise ImportError(f"{spec.name} is not to be imported here")
+    def exec_module(self, module):
+        raise ImportError(module.__name__)
+sys.meta_path.insert(0, Unloadable())
 from lab_helpers.real.commands import main
 try:
     code = main(argv)
@@ -475,10 +491,13 @@ CASES = [
 ]
 
 
-def run_child(argv, hidden, cwd):
+def run_child(argv, hidden, cwd, unloadable=()):
+    """(report, stdout, stderr) of real_model's main in a fresh Python: `hidden` packages absent, the
+    `unloadable` ones installed but never imported (an import of them fails)."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}
     environ.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv), json.dumps(hidden)], cwd=cwd, env=environ,
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv), json.dumps(hidden),
+                           json.dumps(list(unloadable))], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=600)
     *out, report = proc.stdout.rstrip("\n").split("\n")
     return json.loads(report), "\n".join(out), proc.stderr
@@ -502,3 +521,26 @@ def test_a_refusal_that_needs_no_model_imports_neither_torch_nor_transformers(tm
     assert out == "" and len(lines) == 1 and lines[0].startswith("real_model: error: "), err[-800:]
     assert words in lines[0], lines[0]
     assert not (tmp_path / "m.json").exists()
+
+
+WARM_CASES = [  # (id, argv after real_model): answers whose traces the cache folder keeps
+    ("predict", ["predict", "--config", "qwen1.5-0.5b", *SMALL_RUN]),
+    ("fit", ["fit", "--config", "qwen1.5-0.5b", "--gpu", "h100-sxm", *SMALL_RUN, "--format", "json"]),
+    ("fit --card", ["fit", "--card", "--config", "qwen1.5-0.5b", *SMALL_RUN, "--days", "7"]),
+    ("predict at tensor parallel 2", ["predict", "--config", config_file(max_position_embeddings=4096), *SMALL_RUN,
+                                      "--tensor-parallel", "2"]),
+]
+
+
+@pytest.mark.parametrize("case", WARM_CASES, ids=[case[0] for case in WARM_CASES])
+def test_a_warm_answer_imports_neither_torch_nor_transformers_and_is_the_same(tmp_path, monkeypatch, case):
+    """A question asked again from a fresh process, its shape and traces kept in the cache folder, reads
+    torch's and transformers' versions from their files (the traces' key) and replays: it answers with
+    both packages installed but never imported, byte for byte what the first answer printed."""
+    argv = [arg(tmp_path) if callable(arg) else arg for arg in case[1]]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cold, cold_out, cold_err = run_child(argv, [], tmp_path)
+    assert cold == {"code": 0, "imported": ["torch", "transformers"]}, cold_err[-800:]
+    warm, warm_out, warm_err = run_child(argv, [], tmp_path, unloadable=["torch", "transformers"])
+    assert warm == {"code": 0, "imported": []}, warm_err[-800:]
+    assert warm_out == cold_out and warm_out.strip()

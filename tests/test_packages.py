@@ -122,3 +122,34 @@ def test_the_module_imports_only_the_standard_library():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONSAFEPATH": ""})
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_the_versions_in_a_traces_key_are_the_imported_ones_read_without_importing():
+    """installed_version reads torch's and transformers' __version__ from their own files: the same
+    strings the imported packages give, while neither is imported."""
+    code = ("import sys; from lab_helpers.core.packages import installed_version as v; "
+            "versions = (v('torch'), v('transformers')); "
+            "before = [n for n in ('torch', 'transformers') if n in sys.modules]; "
+            "import torch, transformers; print(before, versions == (torch.__version__, transformers.__version__))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split("\n")[-2] == "[] True", proc.stderr[-500:]
+
+
+@pytest.mark.parametrize("files, expected, imported", [
+    ({"version.py": "__version__ = '1.2.3+cpu'\n", "__init__.py": "raise ImportError('never run')\n"}, "1.2.3+cpu",
+     False),
+    ({"__init__.py": '"""doc"""\n__version__ = "4.5.6"\nraise ImportError("never run")\n'}, "4.5.6", False),
+    ({"__init__.py": "__version__ = '.'.join(['7', '8'])\n"}, "7.8", True),  # not a literal: imported
+])
+def test_a_version_is_read_from_the_package_files_and_only_computed_one_imported(tmp_path, monkeypatch, files,
+                                                                                    expected, imported):
+    name = f"fake_package_{len(files)}_{int(imported)}"
+    (tmp_path / name).mkdir()
+    for file, text in files.items():
+        (tmp_path / name / file).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    packages.installed_version.cache_clear()
+    assert packages.installed_version(name) == expected
+    assert (name in sys.modules) == imported
+    sys.modules.pop(name, None)

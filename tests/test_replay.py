@@ -458,8 +458,9 @@ def test_an_unexpandable_model_is_traced_whole(monkeypatch):
 def test_a_decode_workspace_whose_rule_changes_mid_run_is_traced_whole(monkeypatch, rule, extended):
     """cuDNN's decode workspace as the tracer models it: a rule that changes at some key length after
     the traced steps is not extended (the traced steps alone would look affine)."""
-    from lab_helpers.real import tracer
-    monkeypatch.setattr(tracer, "cudnn_decode_workspace_bytes", rule)
+    from lab_helpers.real import behaviour, tracer
+    for module in (behaviour, tracer):  # the replay's check reads the one, the tracer's model the other
+        monkeypatch.setattr(module, "cudnn_decode_workspace_bytes", rule)
     shape = shape_of("tiny")
     spec = RunSpec("tiny", batch=2, context=20, new_tokens=30, decode_record_every=4)
     fast, full = TraceCache(None), TraceCache(None)

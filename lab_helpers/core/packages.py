@@ -8,8 +8,10 @@ peft, naming the exact command that installs the version the lab is checked with
 Standard library only: a lookup with importlib.util.find_spec never runs the package's code (peft and
 bitsandbytes import torch, seconds of CPU), so a command can check before it starts any work.
 """
+import functools
 import importlib.util
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -90,3 +92,29 @@ def require(name: str, purpose: str) -> None:
         raise KeyError(f"{name!r} is not one of the lab's packages: {', '.join(PACKAGES)}")
     if not package_installed(name):
         raise LabError(missing_message(name, purpose))
+
+
+# a version written as a literal in the package's own files (torch/version.py, transformers/__init__.py)
+_LITERAL_VERSION = re.compile(r"""^__version__\s*=\s*['"]([^'"\\]+)['"]\s*$""", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def installed_version(name: str) -> str:
+    """The __version__ of package `name`, the one `import name` would load, read without running its
+    code: from the literal assignment in its version.py, else its __init__.py (torch, transformers: a
+    warm answer, its traces kept, needs neither); where there is none, imported (an absent package
+    then raises ImportError, which the command line turns into its one line)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except ValueError:  # already imported, with no __spec__
+        spec = None
+    if spec is not None and spec.origin and spec.submodule_search_locations:
+        folder = Path(spec.origin).parent
+        for file in ("version.py", "__init__.py"):
+            try:
+                found = _LITERAL_VERSION.search((folder / file).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError):
+                continue
+            if found:
+                return found.group(1)
+    return __import__(name).__version__

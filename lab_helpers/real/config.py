@@ -274,11 +274,6 @@ def shape_of(raw_config: RawConfig, shape_cache=None) -> ModelShape:
 
 
 def _shape_of(raw: dict, name: str, model_type: str, shape_cache) -> ModelShape:
-    # torch before transformers: a Python without torch then ends in the lab's one line naming it
-    # (core.cli.run), not after transformers' own "PyTorch was not found" warning on stderr
-    import torch
-    del torch  # only its presence matters here
-    plain_tqdm_in_notebooks()
     if shape_cache is None:
         return _read_config(raw, name, model_type)
     key = shape_cache.shape_key(raw)
@@ -301,6 +296,12 @@ def _shape_of(raw: dict, name: str, model_type: str, shape_cache) -> ModelShape:
 
 
 def _read_config(raw: dict, name: str, model_type: str) -> ModelShape:
+    # torch before transformers: a Python without torch then ends in the lab's one line naming it
+    # (core.cli.run), not after transformers' own "PyTorch was not found" warning on stderr; a shape
+    # kept in the cache imports neither
+    import torch
+    del torch  # only its presence matters here
+    plain_tqdm_in_notebooks()
     from transformers.cache_utils import get_layer_types_and_kwargs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     if model_type not in CONFIG_MAPPING_NAMES:

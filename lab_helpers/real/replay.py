@@ -95,12 +95,12 @@ def decode_expandable(shape, context: "int | None" = None, new_tokens: "int | No
 
 
 def decode_workspace_affine(shape, batch: int, tensor_parallel: int, context: int, new_tokens: int) -> bool:
-    """Whether the tracer's cuDNN decode workspace (lab_helpers.real.tracer.cudnn_decode_workspace_bytes:
+    """Whether the tracer's cuDNN decode workspace (lab_helpers.real.behaviour.cudnn_decode_workspace_bytes:
     the keys split in powers of two by length) is affine in the key length over every decode step of
     the run, for one rank's heads: a rule that changes at some length between the traced steps and
     the last would not be seen by the check of the traced steps, so such a run is traced whole (as is
     one where the rule cannot be evaluated here)."""
-    from lab_helpers.real.tracer import cudnn_decode_workspace_bytes
+    from lab_helpers.real.behaviour import cudnn_decode_workspace_bytes
     heads, key_heads = shape.heads // tensor_parallel, max(shape.kv_heads // tensor_parallel, 1)
     try:
         sizes = [cudnn_decode_workspace_bytes(batch, heads, key_heads, kv, shape.value_dim)

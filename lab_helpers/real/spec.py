@@ -72,9 +72,9 @@ def run_configuration(spec: RunSpec) -> dict:
 
 def model_description(shape: ModelShape, dtype: str) -> dict:
     """The model block of a document: the shape's facts, the weights' bytes and the config itself."""
-    import transformers
+    from lab_helpers.core.packages import installed_version
     info = shape.describe()
     info["parameter_bytes"] = shape.parameter_bytes(dtype)
-    info["transformers_version"] = transformers.__version__
+    info["transformers_version"] = installed_version("transformers")
     info["config"] = shape.raw  # so that a measurement file can be predicted again on its own
     return info

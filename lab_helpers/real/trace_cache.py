@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lab_helpers.core.errors import LabError
 from lab_helpers.core.files import read_bounded_bytes, replace_bytes
+from lab_helpers.core.packages import installed_version
 from lab_helpers.core.paths import REPOSITORY
 from lab_helpers.real.replay import LoadTrace, RunTrace
 
@@ -44,23 +45,27 @@ def code_digest() -> str:
     another process."""
     digest = hashlib.sha256()
     try:
-        for name in ("tracer.py", "protocol.py", "config.py", "raw_config.py", "spec.py", "replay.py", "traces.py", "layers.py"):
+        for name in ("tracer.py", "behaviour.py", "protocol.py", "config.py", "raw_config.py", "spec.py", "replay.py",
+                     "traces.py", "layers.py"):
             digest.update((REPOSITORY / "lab_helpers" / "real" / name).read_bytes())
     except OSError:
         digest.update(os.urandom(32))
     return digest.hexdigest()[:16]
 
 
+def library_versions() -> tuple:
+    """(torch's version, transformers'), without importing either (lab_helpers.core.packages)."""
+    return installed_version("torch"), installed_version("transformers")
+
+
 def base_key(shape, dtype: str, tensor_parallel: int, rank: int) -> dict:
     """What every trace of one model, dtype and rank depends on."""
     from dataclasses import asdict
 
-    import torch
-    import transformers
-
-    from lab_helpers.real.tracer import DEFAULT_BEHAVIOUR
+    from lab_helpers.real.behaviour import DEFAULT_BEHAVIOUR
+    torch_version, transformers_version = library_versions()
     config = json.dumps(shape.raw, sort_keys=True, separators=(",", ":"))
-    return {"format": TRACE_FORMAT, "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"format": TRACE_FORMAT, "torch": torch_version, "transformers": transformers_version,
             "code": code_digest(), "behaviour": asdict(DEFAULT_BEHAVIOUR),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "dtype": dtype,
             "tensor_parallel": tensor_parallel, "rank": rank, "quantization": shape.quantization}
@@ -69,11 +74,10 @@ def base_key(shape, dtype: str, tensor_parallel: int, rank: int) -> dict:
 def shape_key(raw: dict) -> dict:
     """What a config's shape (lab_helpers.real.config.parse_config) depends on: the config, torch,
     transformers and the lab's code."""
-    import torch
-    import transformers
+    torch_version, transformers_version = library_versions()
     config = json.dumps(raw, sort_keys=True, separators=(",", ":"))
-    return {"format": TRACE_FORMAT, "kind": "shape", "torch": torch.__version__,
-            "transformers": transformers.__version__, "code": code_digest(),
+    return {"format": TRACE_FORMAT, "kind": "shape", "torch": torch_version,
+            "transformers": transformers_version, "code": code_digest(),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest()}
 
 
