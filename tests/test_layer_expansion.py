@@ -200,6 +200,10 @@ DOCUMENT_CASES = [
     ("qwen3-30b-a3b", 8, {"vocab_size": 1000}, 1, 33, 8, 1),
     ("gpt2", 8, {}, 3, 41, 7, 1),
     ("mistral-7b-v0.1", 9, {"sliding_window": 64, "vocab_size": 1000}, 2, 27, 9, 1),
+    # the window starts cropping mid-run: the steps to its edge and past it traced, the rest extended
+    ("mistral-7b-v0.1", 9, {"sliding_window": 64, "vocab_size": 1000}, 2, 60, 30, 1),
+    ("gemma-2-2b", 8, {"layer_types": ["sliding_attention"] * 8, "sliding_window": 16, "vocab_size": 1000},
+     1, 14, 24, 1),
 ]
 
 
@@ -219,6 +223,9 @@ def test_predictions_from_expanded_runs_equal_the_full_traces(name, layers, chan
     fast, full = TraceCache(None), TraceCache(None)
     free = _document(shape, spec, full, False)
     assert _document(shape, spec, fast, True) == free
+    # and every decode step of every layer traced
+    assert json.dumps(predict_model(shape, spec, trace_cache=TraceCache(None), expand_decode_steps=False,
+                                    report_out_of_memory=True), sort_keys=True) == free
     peak = json.loads(free)["overall"]["peak_reserved_bytes"]
     for budget in (peak, peak - 2 * MIB, peak - 20 * MIB):
         assert _document(shape, spec, fast, True, budget) == _document(shape, spec, full, False, budget)

@@ -14,8 +14,9 @@ from lab_helpers.allocator.settings import DEFAULT_SETTINGS, allocator_settings
 from lab_helpers.core.errors import LabError
 from lab_helpers.real.config import load_config, parse_config
 from lab_helpers.real.predict import fake_process_group, predict_model
-from lab_helpers.real.replay import (TRACED_DECODE_STEPS, ExtendedRun, LoadTrace, RunTrace, decode_expandable,
-                                     decode_workspace_affine, expand_decode, replay_rank, traced_decode_steps)
+from lab_helpers.real.replay import (TRACED_DECODE_STEPS, WINDOW_MARGIN, ExtendedRun, LoadTrace, RunTrace,
+                                     decode_steps_to_trace, decode_workspace_affine, expand_decode, replay_rank,
+                                     traced_decode_steps)
 from lab_helpers.real.spec import RunSpec, recorded_steps
 from lab_helpers.real.trace_cache import MAGIC, TraceCache, decode_entry, encode_entry
 from lab_helpers.real.traces import TraceSession
@@ -59,6 +60,7 @@ REDUCED = {
     "mistral-7b-v0.1/2,window-64": reduced("mistral-7b-v0.1", sliding_window=64),
     "phi-3-mini-4k/2": reduced("phi-3-mini-4k"),  # window 2047
     "gemma-2-2b/2": reduced("gemma-2-2b"),
+    "gemma-2-2b/2,window-32": reduced("gemma-2-2b", sliding_window=32),
     # the decode steps' key/value tensors outweigh the prefill's logits
     "llama-small-vocabulary/2": reduced("llama-3.1-8b", vocab_size=1000),  # one sliding layer (4096), one full; torch.tensor scalars
     "gemma-3-4b-text/2,window-16": reduced("gemma-3-4b-text", layer_types=["sliding_attention", "full_attention"],
@@ -100,7 +102,7 @@ def sessions(shape, dtype, degree, rank, mesh=None):
 @pytest.mark.parametrize("name, dtype, batch, context, new_tokens, degree", CASES)
 def test_extended_decode_steps_equal_the_full_trace(name, dtype, batch, context, new_tokens, degree):
     shape = shape_of(name)
-    assert decode_expandable(shape) and new_tokens > TRACED_DECODE_STEPS
+    assert decode_steps_to_trace(shape, context, new_tokens) == TRACED_DECODE_STEPS < new_tokens
     steps = recorded_steps(new_tokens, 3)
     for rank in range(degree):
         if degree == 1:
@@ -146,7 +148,13 @@ DOCUMENT_CASES = [
     ("phi-3-mini-4k/2", "bfloat16", 1, 2051, 9, 1, True),
     ("gemma-2-2b/2", "bfloat16", 2, 50, 10, 1, True),
     ("gemma-3-4b-text/2,window-16", "bfloat16", 2, 30, 9, 1, True),  # cropped from the prefill on
-    ("gemma-3-4b-text/2,window-16", "bfloat16", 1, 8, 12, 1, False),  # starts cropping mid-run
+    ("gemma-3-4b-text/2,window-16", "bfloat16", 1, 8, 12, 1, False),  # starts cropping too near the last step
+    # a window that starts cropping mid-run: the steps up to its edge and past it traced, the rest extended
+    ("gemma-3-4b-text/2,window-16", "bfloat16", 1, 8, 40, 1, True),
+    ("mistral-7b-v0.1/2,window-64", "bfloat16", 2, 60, 30, 1, True),
+    ("mistral-7b-v0.1/2,window-64", "bfloat16", 3, 64, 19, 2, True),  # the context at the window itself
+    ("mistral-7b-v0.1/2,window-64", "bfloat16", 1, 67, 16, 1, True),  # within the margin past it
+    ("gemma-2-2b/2,window-32", "bfloat16", 2, 20, 45, 1, True),  # the sliding layer beside a full one
     ("odd-even-vocabulary", "bfloat16", 5, 61, 10, 2, True),
     ("kv-heavy", "bfloat16", 16, 16, 52, 1, True),  # runs out in decode step 48 just under its peak
     # cuDNN's decode workspace splits the keys in powers of two by length: from 509 keys here
@@ -187,7 +195,8 @@ def test_fast_predictions_equal_the_full_trace_under_every_allocator(name, dtype
     spec = RunSpec(name, dtype=dtype, batch=batch, context=context, new_tokens=new_tokens, decode_record_every=3,
                    tensor_parallel=degree)
     fast_cache, full_cache = TraceCache(None), TraceCache(None)
-    assert (decode_expandable(shape, context, new_tokens)
+    traced = decode_steps_to_trace(shape, context, new_tokens)
+    assert (traced is not None and new_tokens > traced
             and decode_workspace_affine(shape, batch, degree, context, new_tokens)) is extended
     for settings in (DEFAULT_SETTINGS, EXPANDABLE):
         free = document(shape, spec, settings, None, full_cache, False)
@@ -199,9 +208,10 @@ def test_fast_predictions_equal_the_full_trace_under_every_allocator(name, dtype
             full = document(shape, spec, settings, budget, full_cache, False)
             assert document(shape, spec, settings, budget, fast_cache, True) == full
         assert "out_of_memory" not in json.loads(document(shape, spec, settings, peak, full_cache, False))
-    # what was traced: four decode steps (five with a window) where the steps are extended, else every step
+    # what was traced: four decode steps (five with a window, more where one starts cropping mid-run)
+    # where the steps are extended, else every step
     runs = [t for t in fast_cache.memory.values() if isinstance(t, RunTrace)]
-    assert {t.decode_steps for t in runs} == {traced_decode_steps(shape) if extended else new_tokens}
+    assert {t.decode_steps for t in runs} == {traced if extended else new_tokens}
     assert {t.decode_steps for t in full_cache.memory.values() if isinstance(t, RunTrace)} == {new_tokens}
 
 
@@ -420,7 +430,7 @@ def test_decode_record_every_changes_no_trace():
 # ------------------------------------------------------------------ what is not extended
 @pytest.mark.parametrize("changes, context, new_tokens", [
     ({"layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"], "sliding_window": 64},
-     40, 30),  # the window is reached mid-run
+     40, 30),  # the window is reached mid-run, too near the last step to trace its edge and extend the rest
     ({"model_type": "mistral", "sliding_window": 64}, 59, 8),  # reached within the margin of the prefill
     ({"model_type": "mistral", "sliding_window": 64}, 20, 42),  # reached within the margin of the last step
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, 40, 30),
@@ -430,11 +440,12 @@ def test_runs_whose_steps_may_change_are_not_extended(changes, context, new_toke
         shape = replace(shape_of("tiny"), raw={**TINY, **changes})
     else:
         shape = parse_config({**TINY, **changes}, "changed")
-    assert not decode_expandable(shape, context, new_tokens)
-    if "sliding_window" in changes:
-        assert not decode_expandable(shape)  # a window, and no sizes to place the run beside it
-        assert decode_expandable(shape, 10, 20) and decode_expandable(shape, 200, 20)  # before it, or past it
-    assert not decode_expandable(replace(shape_of("tiny"), model_type="deepseek_v3"), 40, 30)  # not checked
+    assert decode_steps_to_trace(shape, context, new_tokens) is None
+    if "sliding_window" in changes:  # before it, or past it: the steps traced at first alone
+        assert decode_steps_to_trace(shape, 10, 20) == decode_steps_to_trace(shape, 200, 20) == traced_decode_steps(shape)
+        # reached mid-run with steps to spare: traced up to the margin past its edge, then as many again
+        assert decode_steps_to_trace(shape, 40, 60) == 64 + WINDOW_MARGIN - 40 + traced_decode_steps(shape)
+    assert decode_steps_to_trace(replace(shape_of("tiny"), model_type="deepseek_v3"), 40, 30) is None  # not checked
 
 
 def test_an_unexpandable_model_is_traced_whole(monkeypatch):

@@ -9,7 +9,7 @@ id is its rank among the requests, from 0), a negative one ~id releases request 
 Decode steps repeat: from the second step on, each step's events are those of the step before
 plus a constant difference (the key/value tensors grow by one position, a release names the request
 of one step later). `expand_decode` checks that on three traced steps and extends the sequence to
-any number of steps; where the run's structure does not promise it (`decode_expandable`), every step
+any number of steps; where the run's structure does not promise it (`decode_steps_to_trace`), every step
 is traced.
 """
 from dataclasses import dataclass
@@ -72,26 +72,30 @@ class RunTrace:
     decode_steps: int  # decode steps the phases hold
 
 
-def decode_expandable(shape, context: "int | None" = None, new_tokens: "int | None" = None) -> bool:
-    """Whether the run's decode steps may be extended from traced ones: a family checked to repeat, no
-    RoPE that changes with the length (dynamic, longrope), and every sliding window either beyond every
-    position of the run or reached before its first decode step (a window that starts cropping mid-run
-    changes the steps' sizes: traced whole). The steps must still be affine where they are traced
-    (expand_decode checks it); a CUDA behaviour of the tracer (lab_helpers.real.tracer) whose bytes are not
-    affine in the cache length must be excluded here."""
+def decode_steps_to_trace(shape, context: int, new_tokens: int) -> "int | None":
+    """How many of the run's first decode steps to trace before the others are extended from them
+    (expand_decode), or None where they may not be extended: a family not checked to repeat, or a
+    RoPE that changes with the length (dynamic, longrope).
+
+    traced_decode_steps, where every sliding window is beyond every position of the run or reached
+    before its first decode step. Where a window starts cropping mid-run (its edge, give or take
+    WINDOW_MARGIN positions, inside the run), the steps until the run's positions are WINDOW_MARGIN
+    past every such edge are traced too, then traced_decode_steps more: from there each window is
+    cropped in every step, as in a run that starts past it. None where that reaches the last step
+    (the run is traced whole). The traced steps must still be affine where they end (expand_decode
+    checks it); a CUDA behaviour of the tracer whose bytes are not affine in the cache length must be
+    excluded here (decode_workspace_affine)."""
     raw = shape.raw
     if shape.model_type not in EXPANDABLE_FAMILIES:
-        return False
+        return None
     for key in ("rope_parameters", "rope_scaling"):
         rope = raw.get(key) if isinstance(raw.get(key), dict) else {}
         if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
-            return False
-    windows = {w for w in shape.layer_windows if w is not None}
-    if not windows:
-        return True
-    if context is None or new_tokens is None:
-        return False
-    return all(context + new_tokens + WINDOW_MARGIN <= w or context >= w + WINDOW_MARGIN for w in windows)
+            return None
+    crossing = [w + WINDOW_MARGIN - context for w in {w for w in shape.layer_windows if w is not None}
+                if not (context + new_tokens + WINDOW_MARGIN <= w or context >= w + WINDOW_MARGIN)]
+    steps = max(crossing, default=0) + traced_decode_steps(shape)
+    return steps if not crossing or steps < new_tokens else None
 
 
 def decode_workspace_affine(shape, batch: int, tensor_parallel: int, context: int, new_tokens: int) -> bool:

@@ -1,15 +1,15 @@
 """The traces of one model, dtype and rank, made once and kept (lab_helpers.real.trace_cache): the
 load, and each (batch, context)'s phases; the meta model is built only when a trace is missing.
 
-Where the run's decode steps repeat (lab_helpers.real.replay.decode_expandable), a run of N new tokens
-is traced for TRACED_DECODE_STEPS steps and extended (expand_decode); where the traced steps do not
-repeat, all N steps are traced.
+Where the run's decode steps repeat (lab_helpers.real.replay.decode_steps_to_trace), a run of N new
+tokens is traced for TRACED_DECODE_STEPS steps (more where a sliding window starts cropping mid-run)
+and extended (expand_decode); where the traced steps do not repeat, all N steps are traced.
 
 Where every decoder layer is the same (lab_helpers.real.layers), a run is traced on two models of the
 same config with a few layers and expanded to the model's depth, checked exactly; else it is traced on
 the full model."""
-from lab_helpers.real.replay import (decode_expandable, decode_workspace_affine, default_allocator, expand_decode,
-                                     replay_rank, trace_load, trace_run, traced_decode_steps)
+from lab_helpers.real.replay import (decode_steps_to_trace, decode_workspace_affine, default_allocator, expand_decode,
+                                     replay_rank, trace_load, trace_run)
 from lab_helpers.real.trace_cache import TraceCache, base_key
 
 
@@ -85,8 +85,8 @@ class TraceSession:
         """The RunTrace of `new_tokens` decode steps at (batch, context): extended from traced steps where
         they repeat, else traced whole."""
         self.load(mesh)
-        steps = traced_decode_steps(self.shape)
-        if (self.expand and new_tokens > steps and decode_expandable(self.shape, context, new_tokens)
+        steps = decode_steps_to_trace(self.shape, context, new_tokens)
+        if (self.expand and steps is not None and new_tokens > steps
                 and decode_workspace_affine(self.shape, batch, self.tensor_parallel, context, new_tokens)):
             expanded = expand_decode(self._run(batch, context, steps, mesh), new_tokens)
             if expanded is not None:
