@@ -178,7 +178,7 @@ def run_cell(client, code: str) -> str:
         if kind == "stream" and content["name"] == "stdout":
             printed.append(content["text"])
         elif kind == "error":
-            raise SystemExit("fast_answers: error: a kernel cell raised: " + content["ename"] + ": " + content["evalue"])
+            raise SystemExit(f"fast_answers: error: a kernel cell raised {content['ename']}: {content['evalue']}")
         elif kind == "status" and content["execution_state"] == "idle":
             return "".join(printed)
 

@@ -442,7 +442,8 @@ def test_runs_whose_steps_may_change_are_not_extended(changes, context, new_toke
         shape = parse_config({**TINY, **changes}, "changed")
     assert decode_steps_to_trace(shape, context, new_tokens) is None
     if "sliding_window" in changes:  # before it, or past it: the steps traced at first alone
-        assert decode_steps_to_trace(shape, 10, 20) == decode_steps_to_trace(shape, 200, 20) == traced_decode_steps(shape)
+        first = traced_decode_steps(shape)
+        assert decode_steps_to_trace(shape, 10, 20) == decode_steps_to_trace(shape, 200, 20) == first
         # reached mid-run with steps to spare: traced up to the margin past its edge, then as many again
         assert decode_steps_to_trace(shape, 40, 60) == 64 + WINDOW_MARGIN - 40 + traced_decode_steps(shape)
     assert decode_steps_to_trace(replace(shape_of("tiny"), model_type="deepseek_v3"), 40, 30) is None  # not checked
