@@ -73,5 +73,12 @@ if "$venv/bin/python" -c 'import setuptools, sys; sys.exit(int(setuptools.__vers
   isolation=(--no-build-isolation)
 fi
 "${pip[@]}" --no-deps ${isolation[@]+"${isolation[@]}"} -e .
+# --no-compile left the bytecode to Python's first imports, which never write it where
+# PYTHONDONTWRITEBYTECODE is set: written once here for what the lab's answers import (about 15 s on
+# 2 cores). The test session compiles into a folder of its own (tests/conftest.py), so test skips it.
+if [ "$purpose" = lab ]; then
+  echo "venv: writing the bytecode of what an answer imports (torch, transformers, the bundled families)"
+  "$venv/bin/python" -m lab_helpers.build.bytecode
+fi
 echo "$want" > "$stamp"
 echo "venv: ready ($purpose) in $((SECONDS - start)) s"
