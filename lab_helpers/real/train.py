@@ -361,17 +361,22 @@ def measure_training_model(shape: ModelShape, spec: TrainSpec) -> dict:
             "phases": phases}
 
 
-def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None) -> dict:
+def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=None, allocator=None) -> dict:
     """Predict allocated and reserved bytes of every training phase, tracing the run on meta. With
     `capacity_bytes`, the replayed allocator is capped there and raises lab_helpers.allocator.budget's
-    OutOfMemory when the run does not fit."""
+    OutOfMemory when the run does not fit. `allocator` (instead of a capacity) is the allocator model
+    the trace feeds: lab_helpers.real.train_replay's recorder, which also hears where each phase starts
+    and ends (phase_started, phase_ended)."""
     import torch
 
     from lab_helpers.allocator.budget import OutOfMemory
     from lab_helpers.allocator.addressed import CappedAllocator
     from lab_helpers.real.train_trace import TrainingTracer
-    tracer = TrainingTracer(None if capacity_bytes is None else CappedAllocator(capacity_bytes))
+    if allocator is None and capacity_bytes is not None:
+        allocator = CappedAllocator(capacity_bytes)
+    tracer = TrainingTracer(allocator)
     alloc = tracer.allocator
+    hears = hasattr(alloc, "phase_started")
     phases = []
     overall = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
     prepared = {}  # --train qlora: what prepare_model_for_kbit_training cast
@@ -379,6 +384,8 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
     def phase(name, action, index, state):
         tracer.collect(settled=True)
         base_allocated, base_reserved = alloc.allocated, alloc.reserved
+        if hears:
+            alloc.phase_started(name, index)
         alloc.reset_peaks()
         tracer.backward = name == "backward"
         if name == "backward":
@@ -396,6 +403,8 @@ def predict_training_model(shape: ModelShape, spec: TrainSpec, capacity_bytes=No
             tracer.settle()  # the weights outlive every later phase: scanned at phase ends only
         for key in overall:
             overall[key] = max(overall[key], getattr(alloc, key.replace("_bytes", "")))
+        if hears:
+            alloc.phase_ended()
         if name == "model_load" and spec.train == "qlora":
             prepared.update(kbit_cast_elements(result, spec))
         phases.append({

@@ -34,21 +34,34 @@ TRAIN_ORDER = ("by total price, then fewer GPUs rented, then model id; GPU model
 NOT_ON_ONE_GPU = "does not fit one GPU (degree 1 only: tensor-parallel training is out of scope)"
 
 
-def training_fits(shape: ModelShape, spec: TrainSpec):
+def training_fits(shape: ModelShape, spec: TrainSpec, replay: bool = True):
     """fits(degree, budget) for capped_where_needed: `spec` predicted on one GPU, with no cap at
     UNCAPPED_BUDGET_BYTES, else under the replayed allocator capped at `budget`:
-    {fits, peak_reserved_bytes, peak_allocated_bytes} or {fits: False, reason}."""
+    {fits, peak_reserved_bytes, peak_allocated_bytes} or {fits: False, reason}. The run is traced once,
+    with no cap, and each budget replays its allocator calls (lab_helpers.real.train_replay); `replay`
+    False traces it again under each budget (the path the replay is checked against)."""
     from lab_helpers.allocator.budget import OutOfMemory
+    from lab_helpers.real.train_replay import record_training
+    recorded = {}
+
+    def overall(budget):
+        if not replay:
+            return predict_training_model(shape, spec, None if budget == UNCAPPED_BUDGET_BYTES else budget)["overall"]
+        if "requests" not in recorded:
+            recorded["document"], recorded["requests"] = record_training(shape, spec)
+        if budget == UNCAPPED_BUDGET_BYTES:
+            return recorded["document"]["overall"]
+        return recorded["requests"].overall(budget)
 
     def fits(degree, budget):
         if degree != TRAIN_CARD_DEGREE:
             raise LabError("tensor-parallel training is out of scope: one GPU only")
         try:
-            overall = predict_training_model(shape, spec, None if budget == UNCAPPED_BUDGET_BYTES else budget)
+            peaks = overall(budget)
         except OutOfMemory as exc:
             where = exc.phase if exc.index is None else f"{exc.phase} #{exc.index}"
             return {"fits": False, "reason": f"out of memory in {where}: {exc}"}
-        return {"fits": True, **overall["overall"]}
+        return {"fits": True, **peaks}
     return fits
 
 
