@@ -51,8 +51,19 @@ def test_a_file_that_cannot_be_written_or_compiled_is_left(tmp_path):
     assert not (tmp_path / "broken.pyc").exists()
 
 
-def test_the_bundled_families_and_the_command_line():
-    assert {"llama", "qwen2", "mistral", "gemma2", "gpt2"} <= set(bytecode.bundled_model_types())
+def test_every_module_named_is_one_an_answer_can_import():
+    """Each name is found where it is installed (find_spec imports its parent packages only: transformers'
+    are lazy), so that no family's modeling code goes uncompiled behind a wrong name."""
+    import importlib.util
+    names = bytecode.answer_module_names()
+    assert {"llama", "qwen2", "mistral", "gemma2", "gpt2", "gemma3_text"} <= set(bytecode.bundled_model_types())
+    assert "transformers.models.gemma3.modeling_gemma3" in names  # gemma3_text's folder
+    # peft's submodule is left out: finding it imports peft, which imports bitsandbytes (seconds)
+    missing = [name for name in names if name != "peft.tuners.lora" and importlib.util.find_spec(name) is None]
+    assert missing == [] and "peft.tuners.lora" in names
+
+
+def test_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "lab_helpers.build.bytecode", "extra"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == "bytecode: error: no arguments, got 'extra'"

@@ -49,12 +49,24 @@ def import_answer_modules() -> None:
         _import_answer_modules()
 
 
-def _import_answer_modules() -> None:
+def answer_module_names() -> list:
+    """The modules to import: torch, transformers, the lab's, each bundled family's configuration and
+    modeling modules (in the folder transformers names for its model type: gemma3_text's is gemma3),
+    and peft's LoRA."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
     names = ["torch", "transformers", *LAB_MODULES]
     for model_type in bundled_model_types():
-        names += [f"transformers.models.{model_type}.configuration_{model_type}",
-                  f"transformers.models.{model_type}.modeling_{model_type}"]
-    names += ["peft", "peft.tuners.lora"]
+        folder = model_type_to_module_name(model_type)
+        names += [f"transformers.models.{folder}.configuration_{folder}",
+                  f"transformers.models.{folder}.modeling_{folder}"]
+    return names + ["peft", "peft.tuners.lora"]
+
+
+def _import_answer_modules() -> None:
+    try:
+        names = answer_module_names()
+    except ImportError:  # no transformers: torch and the lab's modules only
+        names = ["torch", *LAB_MODULES]
     for name in names:
         try:
             __import__(name)
