@@ -14,12 +14,11 @@ cannot be written (a read-only install) is left to be compiled on import, as bef
 """
 import contextlib
 import io
-import json
 import py_compile
 import sys
 import time
 
-from lab_helpers.core.paths import REPOSITORY
+from lab_helpers.real.raw_config import bundled_model_types
 
 # the lab's modules an answer imports lazily (inside the functions that trace or measure)
 LAB_MODULES = ("lab_helpers.real.commands", "lab_helpers.real.tracer", "lab_helpers.real.protocol",
@@ -27,19 +26,6 @@ LAB_MODULES = ("lab_helpers.real.commands", "lab_helpers.real.tracer", "lab_help
                "lab_helpers.real.layers", "lab_helpers.real.train", "lab_helpers.real.train_trace",
                "lab_helpers.real.autocast", "lab_helpers.real.train_card", "lab_helpers.synthetic.commands",
                "lab_helpers.pricing.commands")
-
-
-def bundled_model_types() -> list:
-    """The model types of data/models' configs (their transformers modules are what a first answer loads)."""
-    types = set()
-    for path in sorted((REPOSITORY / "data" / "models").glob("*.json")):
-        try:
-            model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(model_type, str) and model_type.isidentifier():
-            types.add(model_type)
-    return sorted(types)
 
 
 def import_answer_modules() -> None:
@@ -56,6 +42,8 @@ def answer_module_names() -> list:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     names = ["torch", "transformers", *LAB_MODULES]
     for model_type in bundled_model_types():
+        if not (isinstance(model_type, str) and model_type.isidentifier()):  # a module name is made of it
+            continue
         folder = model_type_to_module_name(model_type)
         names += [f"transformers.models.{folder}.configuration_{folder}",
                   f"transformers.models.{folder}.modeling_{folder}"]

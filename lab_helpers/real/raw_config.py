@@ -241,15 +241,20 @@ def auto_mapping_names(relative: str) -> dict:
     return found
 
 
-def supported_families_text() -> str:
+def bundled_model_types() -> list:
+    """The model types of the bundled configs (data/models), sorted; a file that cannot be read is passed over."""
     families = set()
     for name in bundled_names():
         try:
             families.add(json.loads((MODELS_DIR / f"{name}.json").read_text(encoding="utf-8"))["model_type"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    return sorted(families)
+
+
+def supported_families_text() -> str:
     return ("the lab predicts decoder-only causal language models (transformers' AutoModelForCausalLM), "
-            f"such as the bundled configs' families {', '.join(sorted(families))}")
+            f"such as the bundled configs' families {', '.join(bundled_model_types())}")
 
 
 def _refuse_what_is_not_a_decoder(raw: dict, model_type: str) -> None:
